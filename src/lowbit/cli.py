@@ -1,0 +1,83 @@
+"""`lowbit <command>`: train, prepare, generate, export-hf. User errors print one line and exit with status 2."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lowbit.errors import LowbitError
+
+USAGE = """usage: lowbit <command> [options]
+
+commands:
+  train [CONFIG.toml] [--section.key=value ...]   pretrain (no arguments: tiny preset on the built-in corpus)
+  prepare [INPUT ...] [--out DIR] [...]           tokenize text/.jsonl/.parquet into token shards
+  generate RUN_DIR [--prompt TEXT] [...]          sample text from a run's newest checkpoint
+  export-hf RUN_DIR OUT_DIR                       write a HF transformers LlamaForCausalLM directory
+
+`lowbit <command> --help` lists a command's options."""
+
+
+def _train(argv: list[str]) -> int:
+    from lowbit.train.config import help_text, load_config
+
+    if "-h" in argv or "--help" in argv:
+        print("usage: lowbit train [CONFIG.toml] [--section.key=value | --section.key value ...]\n")
+        print(help_text())
+        return 0
+    path = None
+    if argv and not argv[0].startswith("--"):
+        path, argv = argv[0], argv[1:]
+    cfg = load_config(path, argv)
+    from lowbit.train.trainer import train
+
+    train(cfg)
+    return 0
+
+
+def _subcommand(name: str, argv: list[str]) -> int:
+    if name == "prepare":
+        from lowbit.data import add_prepare_args as add, run_prepare as run
+    elif name == "generate":
+        from lowbit.tools.generate import add_args as add, run
+    else:
+        from lowbit.tools.export_hf import add_args as add, run
+    parser = _Parser(prog=f"lowbit {name}")
+    add(parser)
+    return run(parser.parse_args(argv))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but usage errors are LowbitErrors (one line, exit 2) like every other user error."""
+
+    def error(self, message: str):
+        raise LowbitError(f"{self.prog}: {message}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    command, rest = argv[0], argv[1:]
+    try:
+        if command == "train":
+            return _train(rest)
+        if command in ("prepare", "generate", "export-hf"):
+            return _subcommand(command, rest)
+        if command in ("-V", "--version"):
+            from lowbit import __version__
+
+            print(__version__)
+            return 0
+        raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf)")
+    except LowbitError as e:
+        print(f"lowbit: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("lowbit: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

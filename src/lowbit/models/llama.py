@@ -1,0 +1,245 @@
+"""LLaMA (Touvron et al. 2023) in plain PyTorch: pre-normalization with RMSNorm, SwiGLU, rotary embeddings,
+grouped-query attention, no biases. Knows nothing of low precision or parallelism: those layers are applied to a
+built model from outside (lowbit.recipes.convert, lowbit.distributed).
+
+Weight layout follows HF transformers' LlamaForCausalLM (rotate-half RoPE), so export is a renaming.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from lowbit.errors import LowbitError
+
+# Architecture presets. `1b` is exactly TinyLlama-1.1B; `7b` is LLaMA-7B. vocab_size None: from the tokenizer.
+PRESETS: dict[str, dict] = {
+    "tiny": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_multiple_of=32, vocab_size=None,
+                 rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True),
+    "125m": dict(dim=768, n_layers=12, n_heads=12, n_kv_heads=12, ffn_multiple_of=256, vocab_size=32000,
+                 rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+    "350m": dict(dim=1024, n_layers=24, n_heads=16, n_kv_heads=16, ffn_multiple_of=256, vocab_size=32000,
+                 rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+    "1b": dict(dim=2048, n_layers=22, n_heads=32, n_kv_heads=4, ffn_dim=5632, ffn_multiple_of=256,
+               vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
+    "7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, ffn_multiple_of=256,
+               vocab_size=32000, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False),
+}
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    max_seq_len: int
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    init_std: float = 0.02
+    attention: str = "sdpa"
+    checkpointing: str = "none"
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+def swiglu_hidden(dim: int, multiple_of: int) -> int:
+    """LLaMA's SwiGLU width: 2/3 of 4*dim (same parameters as a 4*dim MLP), rounded up to a multiple."""
+    hidden = int(2 * (4 * dim) / 3)
+    return multiple_of * math.ceil(hidden / multiple_of)
+
+
+def resolve_model_args(model_cfg, vocab_size: int, seq_len: int) -> ModelArgs:
+    """Merge a ModelConfig (None = from preset) with its preset, the tokenizer's vocabulary and the sequence
+    length, and check the shape. `vocab_size` is the tokenizer's; the embedding may be larger, never smaller."""
+    if model_cfg.preset not in PRESETS:
+        raise LowbitError(f"model.preset: {model_cfg.preset!r} is not one of {', '.join(PRESETS)}")
+    p = dict(PRESETS[model_cfg.preset])
+    for f in fields(model_cfg):
+        v = getattr(model_cfg, f.name)
+        if f.name != "preset" and v is not None:
+            p[f.name] = v
+    if p.get("ffn_dim") is None:
+        p["ffn_dim"] = swiglu_hidden(p["dim"], p["ffn_multiple_of"])
+    if p.get("vocab_size") is None:
+        p["vocab_size"] = 64 * math.ceil(vocab_size / 64)
+    if p["vocab_size"] < vocab_size:
+        raise LowbitError(f"model.vocab_size ({p['vocab_size']}) is smaller than the tokenizer's vocabulary "
+                          f"({vocab_size}): raise model.vocab_size or use a smaller tokenizer")
+    if p["dim"] % p["n_heads"]:
+        raise LowbitError(f"model.dim ({p['dim']}) must be divisible by model.n_heads ({p['n_heads']})")
+    if p["n_heads"] % p["n_kv_heads"]:
+        raise LowbitError(f"model.n_heads ({p['n_heads']}) must be divisible by model.n_kv_heads "
+                          f"({p['n_kv_heads']})")
+    if (p["dim"] // p["n_heads"]) % 2:
+        raise LowbitError(f"head dim model.dim/model.n_heads ({p['dim'] // p['n_heads']}) must be even for RoPE")
+    max_seq_len = p.get("max_seq_len") or seq_len
+    if max_seq_len < seq_len:
+        raise LowbitError(f"model.max_seq_len ({max_seq_len}) is shorter than data.seq_len ({seq_len})")
+    names = {f.name for f in fields(ModelArgs)}
+    return ModelArgs(**{k: v for k, v in dict(p, max_seq_len=max_seq_len).items() if k in names})
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalize in fp32 whatever the compute dtype: the mean of squares loses too much in bf16.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [max_seq_len, head_dim], in the rotate-half layout (frequencies repeated twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, H, L, D]; rotates pairs (i, i + D/2) by position-dependent angles."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
+        self.wq = nn.Linear(a.dim, a.n_heads * a.head_dim, bias=False)
+        self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
+        self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, L, _ = x.shape
+        q = self.wq(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.n_kv_heads != self.n_heads:
+            # Expanded views keep every SDPA backend available (flash included); no seq x seq tensor is formed.
+            rep = self.n_heads // self.n_kv_heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        # Causal SDPA: flash / memory-efficient kernels skip masked blocks and store no attention weights.
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(B, L, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)
+        self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)
+        self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(a.dim, a.norm_eps)
+        self.attention = Attention(a)
+        self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
+        self.feed_forward = FeedForward(a)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _selective_policy():
+    """Selective checkpointing: keep what the matmuls and attention produced, recompute the elementwise rest."""
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    keep = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten._scaled_mm.default}
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(aten, name):
+            keep.add(getattr(aten, name).default)
+
+    def policy(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+class Llama(nn.Module):
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.args = a
+        self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
+        self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
+        self.norm = RMSNorm(a.dim, a.norm_eps)
+        self.output = None if a.tie_embeddings else nn.Linear(a.dim, a.vocab_size, bias=False)
+        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2/LLaMA-style init: N(0, std) everywhere, residual projections (wo, w2) scaled by 1/sqrt(2L)."""
+        std = self.args.init_std
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(("wo.weight", "w2.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.args.n_layers))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def head_weight(self) -> torch.Tensor:
+        return self.tok_embeddings.weight if self.output is None else self.output.weight
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, L, V] or, with targets, the mean cross-entropy (computed in fp32)."""
+        L = tokens.shape[1]
+        if L > self.args.max_seq_len:
+            raise ValueError(f"sequence of {L} tokens is longer than max_seq_len {self.args.max_seq_len}")
+        cos, sin = self.rope_cos[:L], self.rope_sin[:L]
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            if self.training and self.args.checkpointing == "full":
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            elif self.training and self.args.checkpointing == "selective":
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False, context_fn=_selective_policy)
+            else:
+                h = layer(h, cos, sin)
+        h = self.norm(h)
+        logits = h @ self.head_weight().t() if self.output is None else self.output(h)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def num_params(self, embeddings: bool = True) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        return n if embeddings else n - self.tok_embeddings.weight.numel()
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (PaLM appendix B): 6 N (matmul weights, output head included, input embedding
+        not) + 12 L d T for attention scores and values, counted as if unmasked, as is conventional."""
+        a = self.args
+        n = self.num_params(embeddings=False) + (a.vocab_size * a.dim if a.tie_embeddings else 0)
+        return 6 * n + 12 * a.n_layers * a.dim * seq_len

@@ -1,0 +1,313 @@
+"""Run configuration: dataclasses <- TOML file <- `--section.key=value` overrides.
+
+Every field has a default and a one-line help (the `help` metadata); `lowbit train --help` prints them all.
+Validation errors are `LowbitError`s that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lowbit.errors import LowbitError
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+
+def opt(default, help: str, **kw):
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class ModelConfig:
+    preset: str = opt("tiny", "architecture preset: tiny | 125m | 350m | 1b | 7b; fields below override it")
+    dim: int | None = opt(None, "model width (preset)")
+    n_layers: int | None = opt(None, "number of transformer blocks (preset)")
+    n_heads: int | None = opt(None, "attention heads (preset)")
+    n_kv_heads: int | None = opt(None, "key/value heads for grouped-query attention (preset)")
+    ffn_dim: int | None = opt(None, "SwiGLU hidden size; unset: 8/3*dim rounded up to ffn_multiple_of (preset)")
+    ffn_multiple_of: int | None = opt(None, "rounding multiple of the SwiGLU hidden size (preset)")
+    vocab_size: int | None = opt(None, "embedding rows; unset: the tokenizer's vocabulary rounded up to 64 (preset)")
+    max_seq_len: int | None = opt(None, "longest sequence the rotary table covers; unset: data.seq_len")
+    rope_theta: float | None = opt(None, "rotary embedding base (preset)")
+    norm_eps: float | None = opt(None, "RMSNorm epsilon (preset)")
+    tie_embeddings: bool | None = opt(None, "share input embedding and output head weights (preset)")
+    init_std: float = opt(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)")
+    attention: str = opt("sdpa", "attention backend: sdpa")
+    checkpointing: str = opt("none", "activation checkpointing: none | full | selective")
+
+
+@dataclass
+class DataConfig:
+    path: str = opt("", "prepared dataset dir, or raw text/.jsonl/.parquet file or dir; empty: built-in corpus")
+    tokenizer: str = opt("", "tokenizer.json or dir to use; empty: train a byte-level BPE on the corpus")
+    vocab_size: int = opt(4096, "vocabulary of a newly trained tokenizer")
+    field: str = opt("text", "JSON field holding the text in .jsonl inputs")
+    column: str = opt("text", "column holding the text in .parquet inputs")
+    val_fraction: float = opt(0.005, "fraction of documents held out for validation when preparing")
+    seq_len: int = opt(128, "tokens per training sequence")
+    cache_dir: str = opt("", "where prepared datasets are cached; empty: $LOWBIT_CACHE or ~/.cache/lowbit")
+    verify: bool = opt(True, "check shard checksums against meta.json at start")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(250, "optimizer steps; also the horizon of the cosine schedule")
+    stop_at: int = opt(0, "stop (with a checkpoint) after this step, keeping the schedule of train.steps; 0: off")
+    batch_size: int = opt(16, "global batch in sequences per optimizer step, whatever the number of processes")
+    micro_batch_size: int = opt(0, "sequences per forward/backward; gradient accumulation covers the rest; 0: all")
+    lr: float = opt(3e-3, "peak learning rate")
+    min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
+    warmup_steps: int = opt(25, "linear warm-up steps (from lr/warmup_steps)")
+    weight_decay: float = opt(0.1, "AdamW weight decay, applied to tensors of 2+ dims only")
+    beta1: float = opt(0.9, "AdamW beta1")
+    beta2: float = opt(0.95, "AdamW beta2")
+    eps: float = opt(1e-8, "AdamW epsilon")
+    grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0: off")
+    dtype: str = opt("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (autocast)")
+    seed: int = opt(0, "seed of initialization and data order")
+    compile: bool = opt(False, "torch.compile the model")
+    eval_every: int = opt(50, "validation every N steps (and at the end); 0: only at the end")
+    eval_batches: int = opt(8, "batches per validation")
+    log_every: int = opt(10, "progress line every N steps")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = opt(0, "checkpoint every N steps (and at the end); 0: only at the end")
+    keep: int = opt(3, "checkpoints to keep (newest)")
+
+
+@dataclass
+class RunConfig:
+    dir: str = opt("runs/default", "run directory (metrics, checkpoints, plots)")
+    resume: bool = opt(False, "continue from the newest good checkpoint in run.dir")
+    device: str = opt("auto", "auto | cpu | cuda | cuda:N")
+    tensorboard: bool = opt(False, "also write TensorBoard event files to run.dir/tensorboard")
+    plot: bool = opt(True, "write loss.png at the end of the run")
+
+
+@dataclass
+class Config:
+    recipe: str = opt("bf16", "numerics recipe; bf16: every linear in train.dtype")
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+
+SECTIONS = [f.name for f in dataclasses.fields(Config) if dataclasses.is_dataclass(f.default_factory)]
+
+
+def _field_types(cls) -> dict[str, Any]:
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _base_type(tp):
+    """int | None -> (int, True); int -> (int, False)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0], True
+    return tp, False
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+    """Turn a TOML value or a command-line string into the field's type, or raise naming the key."""
+    base, nullable = _base_type(tp)
+    if nullable and (value is None or (isinstance(value, str) and value.lower() in ("none", "null"))):
+        return None
+    if isinstance(value, str) and base is not str:
+        text = value.strip()
+        try:
+            if base is bool:
+                if text.lower() in ("true", "1", "yes", "on"):
+                    return True
+                if text.lower() in ("false", "0", "no", "off"):
+                    return False
+                raise ValueError
+            if base is int:
+                return int(text)
+            if base is float:
+                return float(text)
+        except ValueError:
+            raise LowbitError(f"{key}: expected {base.__name__}, got {value!r}") from None
+    if base is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not isinstance(value, base) or (base is int and isinstance(value, bool)):
+        raise LowbitError(f"{key}: expected {base.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _set(cfg: Config, key: str, value: Any) -> None:
+    parts = key.split(".")
+    if len(parts) == 1 and parts[0] in _field_types(Config) and parts[0] not in SECTIONS:
+        setattr(cfg, parts[0], _coerce(key, value, _field_types(Config)[parts[0]]))
+        return
+    if len(parts) != 2 or parts[0] not in SECTIONS:
+        raise LowbitError(f"unknown config key {key!r} (sections: {', '.join(SECTIONS)}; see `lowbit train --help`)")
+    section = getattr(cfg, parts[0])
+    types_ = _field_types(type(section))
+    if parts[1] not in types_:
+        raise LowbitError(f"unknown config key {key!r} (valid in [{parts[0]}]: {', '.join(types_)})")
+    setattr(section, parts[1], _coerce(key, value, types_[parts[1]]))
+
+
+def _flatten(table: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in table.items():
+        if isinstance(v, dict):
+            out += _flatten(v, f"{prefix}{k}.")
+        else:
+            out.append((f"{prefix}{k}", v))
+    return out
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `--a.b=c` / `--a.b c` overrides (already split into key, value)."""
+    cfg = Config()
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise LowbitError(f"config file not found: {path}")
+        try:
+            table = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise LowbitError(f"config file {path}: invalid TOML ({e})") from None
+        for key, value in _flatten(table):
+            _set(cfg, key, value)
+    for key, value in parse_overrides(list(overrides)):
+        _set(cfg, key, value)
+    validate(cfg)
+    return cfg
+
+
+def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
+    """`--a.b=c`, `--a.b c`, and bare `--flag` (true for booleans)."""
+    out, i = [], 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--"):
+            raise LowbitError(f"unexpected argument {arg!r} (options look like --section.key=value)")
+        key = arg[2:]
+        if "=" in key:
+            key, value = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            value = argv[i + 1]
+            i += 2
+        else:
+            value = "true"  # a bare flag; _coerce rejects it for non-booleans
+            i += 1
+        out.append((key.replace("-", "_"), value))
+    return out
+
+
+CHOICES = {
+    "model.preset": None,  # filled by models.llama (PRESETS) at validation time
+    "model.attention": ("sdpa",),
+    "model.checkpointing": ("none", "full", "selective"),
+    "train.dtype": ("auto", "fp32", "bf16"),
+}
+
+POSITIVE = [
+    "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim", "model.ffn_multiple_of",
+    "model.vocab_size", "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std",
+    "data.vocab_size", "data.seq_len", "train.steps", "train.batch_size", "train.lr", "train.eps",
+    "train.eval_batches", "train.log_every", "checkpoint.keep",
+]
+NON_NEGATIVE = [
+    "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
+    "train.grad_clip", "train.eval_every", "checkpoint.every",
+]
+
+
+def get(cfg: Config, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def validate(cfg: Config) -> None:
+    from lowbit.models.llama import PRESETS
+    from lowbit.recipes import RECIPES
+
+    choices = dict(CHOICES, **{"model.preset": tuple(PRESETS)})
+    for key, allowed in choices.items():
+        if get(cfg, key) not in allowed:
+            raise LowbitError(f"{key}: {get(cfg, key)!r} is not one of {', '.join(allowed)}")
+    if cfg.recipe not in RECIPES:
+        raise LowbitError(f"recipe: {cfg.recipe!r} is not one of {', '.join(RECIPES)}")
+    for key in POSITIVE:
+        v = get(cfg, key)
+        if v is not None and v <= 0:
+            raise LowbitError(f"{key}: must be > 0, got {v}")
+    for key in NON_NEGATIVE:
+        if get(cfg, key) < 0:
+            raise LowbitError(f"{key}: must be >= 0, got {get(cfg, key)}")
+    if not 0 <= cfg.data.val_fraction < 1:
+        raise LowbitError(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
+    if not (0 <= cfg.train.beta1 < 1 and 0 <= cfg.train.beta2 < 1):
+        raise LowbitError("train.beta1/train.beta2: must be in [0, 1)")
+    t = cfg.train
+    if t.micro_batch_size and t.batch_size % t.micro_batch_size:
+        raise LowbitError(f"train.batch_size ({t.batch_size}) must be a multiple of train.micro_batch_size "
+                          f"({t.micro_batch_size})")
+    if t.stop_at > t.steps:
+        raise LowbitError(f"train.stop_at ({t.stop_at}) is beyond train.steps ({t.steps})")
+    if not cfg.run.dir:
+        raise LowbitError("run.dir: must not be empty")
+    # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
+    from lowbit.models.llama import resolve_model_args
+    resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_toml(cfg: Config) -> str:
+    """The resolved config as TOML (None fields are left out: they mean 'from the preset')."""
+    lines = []
+    d = to_dict(cfg)
+    for k, v in d.items():
+        if not isinstance(v, dict):
+            lines.append(f"{k} = {_toml_value(v)}")
+    for section in SECTIONS:
+        lines.append(f"\n[{section}]")
+        for k, v in d[section].items():
+            if v is not None:
+                lines.append(f"{k} = {_toml_value(v)}")
+    return "\n".join(lines) + "\n"
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return repr(v)
+
+
+def help_text() -> str:
+    """Every option with its type, default and meaning."""
+    lines = ["options (TOML keys, or --section.key=value on the command line):", ""]
+    top = [f for f in dataclasses.fields(Config) if f.name not in SECTIONS]
+    for f in top:
+        lines.append(f"  --{f.name:<28} {f.default!s:<14} {f.metadata['help']}")
+    for section in SECTIONS:
+        lines.append(f"\n  [{section}]")
+        cls = type(getattr(Config(), section))
+        types_ = _field_types(cls)
+        for f in dataclasses.fields(cls):
+            base, nullable = _base_type(types_[f.name])
+            default = "(preset)" if f.default is None else repr(f.default) if isinstance(f.default, str) else f.default
+            lines.append(f"  --{section + '.' + f.name:<28} {default!s:<14} {f.metadata['help']} [{base.__name__}]")
+    return "\n".join(lines)

@@ -1,0 +1,277 @@
+"""The training loop: build everything, check everything, then train, validate, checkpoint and report.
+
+Nothing is written to the run directory until every input has been checked (config, data, tokenizer, resume
+checkpoint), so a failed start leaves what is on disk as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
+from lowbit.errors import LowbitError
+from lowbit.models.llama import Llama, resolve_model_args
+from lowbit.recipes import convert, get_recipe
+from lowbit.train import checkpoint as ckpt
+from lowbit.train.config import Config, to_dict, to_toml
+from lowbit.train.metrics import Metrics, gpu_peak_flops, plot_losses, progress_line, truncate_after, warn
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise LowbitError(f"run.device: {name!r} asked for, but CUDA is not available")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise LowbitError(f"run.device: {name!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+
+
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+def lr_lambda(steps: int, warmup: int, min_ratio: float):
+    """Multiplier of the peak LR after `i` scheduler steps: linear warm-up, then cosine down to min_ratio."""
+
+    def f(i: int) -> float:
+        if i < warmup:
+            return (i + 1) / warmup
+        progress = min(1.0, (i - warmup) / max(1, steps - warmup))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.AdamW:
+    """AdamW, weight decay on 2+-dim tensors only; the fused kernel on GPU."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    t = cfg.train
+    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
+
+
+def _rng_state(device: torch.device) -> dict:
+    state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def _set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["torch"].cpu())
+    random.setstate((3, tuple(state["python"]), None))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"].cpu(), device)
+
+
+def prepare_run_dir(run_dir: Path, resume: bool) -> None:
+    """Refuse to start over an existing run (unless resuming) and fail early if the directory is not writable."""
+    if not resume and ((run_dir / "metrics.jsonl").exists() or ckpt.list_checkpoints(run_dir)):
+        raise LowbitError(f"run.dir: {run_dir} already holds a run; pass --run.resume to continue it or choose "
+                          f"another --run.dir")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / f".write-test-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise LowbitError(f"run.dir: {run_dir} is not writable ({e.strerror or e})") from None
+
+
+class _StopRequest:
+    """SIGINT/SIGTERM end the run after the current step, with a checkpoint."""
+
+    def __init__(self):
+        self.requested = False
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+        return self
+
+    def _handle(self, signum, frame):
+        self.requested = True
+
+    def __exit__(self, *exc):
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+
+
+@torch.no_grad()
+def evaluate(model, batches, device, autocast) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with autocast():
+            total += model(x.to(device), y.to(device)).item()
+    model.train(was_training)
+    return total / max(1, len(batches))
+
+
+def train(cfg: Config) -> dict:
+    """Train according to `cfg`; returns a summary (final step, losses, run dir)."""
+    t = cfg.train
+    run_dir = Path(cfg.run.dir)
+    recipe = get_recipe(cfg.recipe)
+    device = resolve_device(cfg.run.device)
+    dtype = compute_dtype(t.dtype, device)
+
+    # ---- check every input before writing anything ----
+    data_path = resolve_dataset(cfg.data.path, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
+                                field=cfg.data.field, column=cfg.data.column, val_fraction=cfg.data.val_fraction,
+                                cache_dir=cfg.data.cache_dir or None)
+    dataset = TokenDataset(data_path, tokenizer=cfg.data.tokenizer, verify=cfg.data.verify)
+    args = resolve_model_args(cfg.model, vocab_size=dataset.vocab_size, seq_len=cfg.data.seq_len)
+    loader = Loader(dataset.split("train"), cfg.data.seq_len, t.batch_size, seed=t.seed)
+    val_split = dataset.split("val")
+    val_data = val_batches(val_split, cfg.data.seq_len, t.micro_batch_size or t.batch_size, t.eval_batches) \
+        if val_split.num_windows(cfg.data.seq_len) > 0 else []
+    if not val_data:
+        warn(f"validation split of {data_path} is shorter than one window of {cfg.data.seq_len + 1} tokens: "
+             f"no validation loss")
+
+    resume_from = ckpt.find_resumable(run_dir) if cfg.run.resume else None
+    resumed = None
+    if resume_from is not None:
+        resumed = ckpt.load(resume_from)
+        info = resumed[2]
+        if info["tokenizer_hash"] != dataset.meta["tokenizer_hash"]:
+            raise LowbitError(f"run.resume: checkpoint {resume_from} was trained with another tokenizer than "
+                              f"the data in {data_path}")
+        if info["model_args"] != dataclasses.asdict(args):
+            raise LowbitError(f"run.resume: checkpoint {resume_from} has model shape {info['model_args']}, the "
+                              f"config asks for {dataclasses.asdict(args)}")
+    prepare_run_dir(run_dir, cfg.run.resume)
+
+    # ---- build ----
+    torch.manual_seed(t.seed)
+    random.seed(t.seed)
+    model = Llama(args).to(device)
+    convert(model, recipe)
+    optimizer = build_optimizer(model, cfg, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
+    start_step, tokens_seen = 0, 0
+    if resumed is not None:
+        model_state, state, info = resumed
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"], device)
+        start_step, tokens_seen = info["step"], info["tokens_seen"]
+        truncate_after(run_dir / "metrics.jsonl", start_step)
+        print(f"lowbit: resuming from {resume_from} (step {start_step})")
+    step_fn = torch.compile(model) if t.compile else model
+
+    (run_dir / "config.toml").write_text(to_toml(cfg))
+    shutil.copyfile(dataset.tokenizer_path, run_dir / "tokenizer.json")
+    metrics = Metrics(run_dir, cfg.run.tensorboard)
+
+    def autocast():
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=dtype)
+
+    def save_checkpoint(step: int) -> Path:
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(device)}
+        info = {"step": step, "tokens_seen": tokens_seen, "model_args": dataclasses.asdict(args),
+                "tokenizer_hash": dataset.meta["tokenizer_hash"], "recipe": recipe.name, "config": to_dict(cfg),
+                "dataset": str(data_path)}
+        return ckpt.save(run_dir, step, model.state_dict(), state, info, keep=cfg.checkpoint.keep)
+
+    n_params = model.num_params()
+    micro = t.micro_batch_size or t.batch_size
+    n_micro = t.batch_size // micro
+    tokens_per_step = t.batch_size * cfg.data.seq_len
+    peak = gpu_peak_flops(device) if dtype == torch.bfloat16 else None
+    flops_per_step = model.flops_per_token(cfg.data.seq_len) * tokens_per_step
+    last_step = t.stop_at or t.steps
+    print(f"lowbit: {n_params / 1e6:.2f}M parameters ({args.n_layers} layers, dim {args.dim}, vocab "
+          f"{args.vocab_size}) | recipe {recipe.name} | {dtype} on {device} | {t.batch_size}x{cfg.data.seq_len} "
+          f"tokens/step ({n_micro} micro-batches) | data {data_path} | run {run_dir}")
+
+    summary = {"run_dir": str(run_dir), "start_step": start_step, "step": start_step, "loss": None,
+               "val_loss": None}
+    model.train()
+    window_t0, window_tokens, run_t0, timed_steps = time.perf_counter(), 0, None, 0
+    step = start_step
+    with _StopRequest() as stop:
+        while step < last_step:
+            step += 1
+            x, y = loader.batch(step - 1)
+            loss_sum = torch.zeros((), device=device)
+            for xm, ym in zip(x.split(micro), y.split(micro)):
+                with autocast():
+                    loss = step_fn(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
+                (loss / n_micro).backward()
+                loss_sum += loss.detach()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+            loss_value = loss_sum.item() / n_micro
+            if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
+                good = ckpt.list_checkpoints(run_dir)
+                raise LowbitError(f"non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} at "
+                                  f"step {step}; no update applied; last checkpoint: "
+                                  f"{good[-1] if good else 'none'} (lower train.lr or raise train.warmup_steps)")
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            tokens_seen += tokens_per_step
+            window_tokens += tokens_per_step
+
+            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+                      "tokens": tokens_seen}
+            if step == start_step + 1:  # the first step pays for compilation and warm-up: time from here on
+                run_t0, window_t0, window_tokens = time.perf_counter(), time.perf_counter(), 0
+            else:
+                timed_steps += 1
+            if step % t.log_every == 0 or step == last_step:
+                now = time.perf_counter()
+                tps = window_tokens / max(now - window_t0, 1e-9)
+                mfu = tps / tokens_per_step * flops_per_step / peak if peak else None
+                per_step = (now - run_t0) / max(timed_steps, 1)
+                record.update(tokens_per_s=tps, **({"mfu": mfu} if mfu is not None else {}))
+                print(progress_line(step, t.steps, loss_value, lr, tps, mfu, per_step * (last_step - step)),
+                      flush=True)
+                window_t0, window_tokens = now, 0
+            metrics.log(record)
+            summary.update(step=step, loss=loss_value)
+
+            end = step == last_step or stop.requested
+            if val_data and ((t.eval_every and step % t.eval_every == 0) or end):
+                val_loss = evaluate(step_fn, val_data, device, autocast)
+                metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
+                print(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
+                      flush=True)
+                summary["val_loss"] = val_loss
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or end:
+                save_checkpoint(step)
+            if stop.requested:
+                print(f"lowbit: stopped by signal after step {step}; resume with --run.resume", flush=True)
+                break
+    metrics.close()
+    if cfg.run.plot:
+        plot_losses(metrics.path, run_dir / "loss.png")
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
