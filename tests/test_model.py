@@ -1,0 +1,162 @@
+"""The LLaMA model: equality with HF transformers, memory behaviour of attention, checkpointing, presets."""
+
+import math
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.models.llama import PRESETS, Llama, ModelArgs, resolve_model_args, swiglu_hidden
+from lowbit.tools.export_hf import hf_config, hf_state_dict
+from lowbit.train.config import ModelConfig
+
+
+def small_args(**kw) -> ModelArgs:
+    base = dict(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=320, max_seq_len=64,
+                rope_theta=500.0, norm_eps=1e-5)
+    return ModelArgs(**{**base, **kw})
+
+
+@pytest.mark.parametrize("n_kv_heads,tie", [(2, False), (4, False), (1, True), (2, True)])
+def test_logits_match_hf_llama(n_kv_heads, tie):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = Llama(small_args(n_kv_heads=n_kv_heads, tie_embeddings=tie)).eval()
+    cfg = {k: v for k, v in hf_config(model, 0).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+    missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
+    assert not unexpected and set(missing) <= ({"lm_head.weight"} if tie else set())
+    if tie:
+        assert hf.lm_head.weight.data_ptr() == hf.model.embed_tokens.weight.data_ptr()
+    x = torch.randint(0, 320, (2, 48))
+    with torch.no_grad():
+        diff = (model(x) - hf(x).logits).abs().max().item()
+    assert diff <= 1e-4
+
+
+def _saved_shapes(model, x):
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x).backward()
+    return shapes
+
+
+@pytest.mark.parametrize("policy", ["none", "full", "selective"])
+def test_no_seq_by_seq_tensor_saved_for_backward(policy):
+    seq = 2048
+    model = Llama(small_args(dim=32, n_heads=2, n_kv_heads=1, ffn_dim=96, vocab_size=64, max_seq_len=seq,
+                             checkpointing=policy))
+    x = torch.randint(0, 64, (1, seq))
+    shapes = _saved_shapes(model, x)
+    assert shapes, "hook saw nothing"
+    assert not [s for s in shapes if sum(d >= seq for d in s) >= 2], "a seq x seq tensor was saved"
+
+
+def _backward_op_counts(model, x):
+    """How often mm and silu run during backward (recomputation shows up here)."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    loss = model(x, x)
+    with Count() as c:
+        loss.backward()
+    return c.n
+
+
+def test_checkpointing_policies_same_gradients_and_recompute_what_they_say():
+    torch.manual_seed(0)
+    ref = Llama(small_args())
+    x = torch.randint(0, 320, (2, 32))
+    grads, counts = {}, {}
+    for policy in ("none", "full", "selective"):
+        m = Llama(dataclass_replace(ref.args, checkpointing=policy))
+        m.load_state_dict(ref.state_dict())
+        counts[policy] = _backward_op_counts(m, x)
+        grads[policy] = [p.grad.clone() for p in m.parameters()]
+    for policy in ("full", "selective"):
+        for a, b in zip(grads["none"], grads[policy]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    mm = lambda c: c["mm"] + c["addmm"] + c["bmm"]  # noqa: E731
+    assert counts["none"]["silu"] == 0
+    # full recomputes the block's matmuls (all whose outputs backward needs: early stop skips the last one)
+    assert mm(counts["full"]) >= mm(counts["none"]) + 6 * ref.args.n_layers
+    assert mm(counts["selective"]) == mm(counts["none"])  # selective keeps the matmul outputs...
+    assert counts["selective"]["silu"] == ref.args.n_layers  # ...and recomputes the elementwise work
+
+
+def dataclass_replace(args, **kw):
+    import dataclasses
+
+    return dataclasses.replace(args, **kw)
+
+
+def test_tinyllama_preset_shape_and_size():
+    args = resolve_model_args(ModelConfig(preset="1b"), vocab_size=32000, seq_len=2048)
+    assert (args.n_layers, args.dim, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size) == \
+        (22, 2048, 32, 4, 5632, 32000)
+    with torch.device("meta"):
+        model = Llama(args)
+    assert model.num_params() == 1_100_048_384  # TinyLlama-1.1B's published count
+
+
+def test_7b_preset_size():
+    args = resolve_model_args(ModelConfig(preset="7b"), vocab_size=32000, seq_len=2048)
+    assert args.ffn_dim == 11008 == swiglu_hidden(4096, 256)
+    with torch.device("meta"):
+        model = Llama(args)
+    assert model.num_params() == 6_738_415_616  # LLaMA-7B
+
+
+def test_every_preset_builds_on_meta():
+    for name in PRESETS:
+        args = resolve_model_args(ModelConfig(preset=name), vocab_size=4096, seq_len=128)
+        with torch.device("meta"):
+            Llama(args)
+
+
+def test_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = Llama(small_args(dim=256, n_layers=8, n_heads=4, n_kv_heads=4, ffn_dim=704, vocab_size=2048))
+    std = lambda t: t.float().std().item()  # noqa: E731
+    assert abs(std(model.layers[0].attention.wq.weight) - 0.02) < 2e-3
+    assert abs(std(model.layers[0].attention.wo.weight) - 0.02 / 4) < 5e-4
+    assert abs(std(model.layers[0].feed_forward.w2.weight) - 0.02 / 4) < 5e-4
+    assert torch.all(model.layers[0].attention_norm.weight == 1)
+
+
+def test_tied_embeddings_share_one_tensor():
+    model = Llama(small_args(tie_embeddings=True))
+    assert model.output is None
+    untied = Llama(small_args(tie_embeddings=False))
+    assert untied.num_params() - model.num_params() == 320 * 64
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dim=100, n_heads=3), "divisible by model.n_heads"),
+    (dict(n_heads=4, n_kv_heads=3), "divisible by model.n_kv_heads"),
+    (dict(vocab_size=100), "smaller than the tokenizer"),
+    (dict(max_seq_len=64), "shorter than data.seq_len"),
+])
+def test_bad_shapes_are_one_line_errors(kw, match):
+    with pytest.raises(LowbitError, match=match) as e:
+        resolve_model_args(ModelConfig(**kw), vocab_size=300, seq_len=128)
+    assert "\n" not in str(e.value)
+
+
+def test_vocab_rounds_up_from_tokenizer():
+    assert resolve_model_args(ModelConfig(), vocab_size=4097, seq_len=16).vocab_size == 4160
