@@ -22,7 +22,7 @@ def test_logits_match_hf_llama(n_kv_heads, tie):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = Llama(small_args(n_kv_heads=n_kv_heads, tie_embeddings=tie)).eval()
-    cfg = {k: v for k, v in hf_config(model, 0).items() if k not in ("architectures", "model_type", "torch_dtype")}
+    cfg = {k: v for k, v in hf_config(model.args, 0).items() if k not in ("architectures", "model_type", "torch_dtype")}
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
     missing, unexpected = hf.load_state_dict(hf_state_dict(model), strict=False)
     assert not unexpected and set(missing) <= ({"lm_head.weight"} if tie else set())

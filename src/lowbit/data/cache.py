@@ -30,8 +30,8 @@ def builtin_corpus_files() -> list[Path]:
     files = []
     for dirpath, dirnames, filenames in os.walk(stdlib):
         dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
-        files.extend(Path(dirpath) / f for f in sorted(filenames) if f.endswith(".py"))
-    return files
+        files.extend(Path(dirpath) / f for f in filenames if f.endswith(".py"))
+    return sorted(files)
 
 
 def default_dataset(

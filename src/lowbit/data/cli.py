@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sysconfig
 
-from lowbit.data.cache import builtin_corpus_files, default_dataset, prepare_cached
+from lowbit.data import cache  # module, not names: tests swap cache.builtin_corpus_files
 from lowbit.errors import LowbitError
 
 _DEFAULT_VOCAB = 8192  # for user corpora, as prepare(); the builtin corpus defaults to 4096, as the trainer
@@ -18,7 +18,9 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
         help="text files, .jsonl, .parquet or directories of them; none: the Python standard library",
     )
     parser.add_argument("--out", default="", metavar="DIR", help="output directory (default: the lowbit cache)")
-    parser.add_argument("--tokenizer", default="", metavar="PATH", help="use this tokenizer.json instead of training one")
+    parser.add_argument(
+        "--tokenizer", default="", metavar="PATH", help="use this tokenizer.json instead of training one"
+    )
     parser.add_argument(
         "--vocab-size", type=int, default=None, metavar="N",
         help=f"vocabulary of the trained tokenizer (default {_DEFAULT_VOCAB}; {_BUILTIN_VOCAB} for the builtin corpus)",
@@ -41,14 +43,14 @@ def run_prepare(args: argparse.Namespace) -> int:
     vocab = args.vocab_size or (_DEFAULT_VOCAB if args.inputs else _BUILTIN_VOCAB)
     if args.out:
         prepare(
-            args.inputs or builtin_corpus_files(), args.out, tokenizer=args.tokenizer or None,
+            args.inputs or cache.builtin_corpus_files(), args.out, tokenizer=args.tokenizer or None,
             vocab_size=vocab, field=args.field, column=args.column, val_fraction=args.val_fraction,
             seed=args.seed, overwrite=args.overwrite,
             sources=None if args.inputs else [sysconfig.get_paths()["stdlib"]],
         )
         out = args.out
     elif args.inputs:
-        out = prepare_cached(
+        out = cache.prepare_cached(
             args.inputs, tokenizer=args.tokenizer, vocab_size=vocab, field=args.field,
             column=args.column, val_fraction=args.val_fraction, seed=args.seed,
         )
@@ -56,6 +58,6 @@ def run_prepare(args: argparse.Namespace) -> int:
         # The cache entry the trainer uses when data.path is empty; its split seed is fixed.
         if args.seed != 0:
             raise LowbitError("--seed needs --out or INPUT: the cached builtin dataset always uses seed 0")
-        out = default_dataset(vocab_size=vocab, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
+        out = cache.default_dataset(vocab_size=vocab, tokenizer=args.tokenizer, val_fraction=args.val_fraction)
     print(out)
     return 0

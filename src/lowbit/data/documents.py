@@ -18,7 +18,7 @@ STRUCTURED_SUFFIXES = frozenset({".jsonl", ".parquet"})
 
 
 def list_files(inputs: Iterable[str | Path]) -> list[Path]:
-    """Expand inputs to files: directories are walked in sorted order, skipping hidden entries and
+    """Expand inputs to files (each directory's files sorted by path), skipping hidden entries and
     prepared datasets (so `prepare data/ --out data/tok` does not eat its own output on a rerun)."""
     files: list[Path] = []
     for item in inputs:
@@ -26,7 +26,7 @@ def list_files(inputs: Iterable[str | Path]) -> list[Path]:
         if p.is_file():
             files.append(p)
         elif p.is_dir():
-            files.extend(_walk(p))
+            files.extend(sorted(_walk(p)))
         else:
             raise LowbitError(f"data path not found: {p}")
     return files

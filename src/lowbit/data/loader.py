@@ -61,7 +61,9 @@ class Loader:
         return self._perms[epoch]
 
 
-def val_batches(split: TokenSplit, seq_len: int, batch: int, max_batches: int | None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def val_batches(
+    split: TokenSplit, seq_len: int, batch: int, max_batches: int | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first max_batches*batch windows in order (all of them for None), in batches of `batch`;
     the last batch may be smaller. Empty when the split has no full window."""
     n = split.num_windows(seq_len)

@@ -71,10 +71,12 @@ def prepare(
         if counted[0] == 0:
             raise _empty(sources)
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".tmp-{out_dir.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)  # debris of a killed run that had our pid
-    tmp.mkdir()
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise LowbitError(f"cannot create {tmp}: {e.strerror}") from None
     try:
         docs = _nonempty(read_documents(files, field, column))
         meta = _write_dataset(tmp, tok, docs, val_fraction, seed, shard_tokens, sources)
@@ -208,7 +210,11 @@ def _publish(tmp: Path, out_dir: Path, overwrite: bool) -> None:
     if overwrite and (out_dir / "meta.json").is_file():
         old = out_dir.parent / f".old-{out_dir.name}-{os.getpid()}"
         os.rename(out_dir, old)
-        os.rename(tmp, out_dir)
+        try:
+            os.rename(tmp, out_dir)
+        except OSError:
+            os.rename(old, out_dir)  # put the previous dataset back rather than leave nothing
+            raise
         shutil.rmtree(old, ignore_errors=True)
         return
     try:

@@ -20,7 +20,8 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     """Train a byte-level BPE whose id 0 is EOS_TOKEN; any byte string stays encodable."""
     if not isinstance(vocab_size, int) or vocab_size <= _MIN_VOCAB:
         raise LowbitError(
-            f"data.vocab_size = {vocab_size!r} is too small: byte-level BPE needs more than {_MIN_VOCAB} (256 bytes + EOS)"
+            f"data.vocab_size = {vocab_size!r} is too small: "
+            f"byte-level BPE needs more than {_MIN_VOCAB} (256 bytes + EOS)"
         )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from lowbit.errors import LowbitError
-from lowbit.models.llama import Llama
+from lowbit.models.llama import Llama, ModelArgs
 
 # lowbit name -> HF name, per block
 _BLOCK = {
@@ -40,8 +40,7 @@ def hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
     return {k: v.detach().contiguous().cpu() for k, v in out.items()}
 
 
-def hf_config(model: Llama, eos: int) -> dict:
-    a = model.args
+def hf_config(a: ModelArgs, eos: int) -> dict:
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
         "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
@@ -69,7 +68,7 @@ def export(run_dir: str, out_dir: str) -> Path:
     eos = eos_id(tok)
     eos_text = tok.id_to_token(eos) or EOS_TOKEN
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config(model, eos), indent=1))
+    (out / "config.json").write_text(json.dumps(hf_config(model.args, eos), indent=1))
     shutil.copyfile(tok_path, out / "tokenizer.json")
     (out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": eos_text, "eos_token": eos_text,
