@@ -516,7 +516,7 @@ def test_cli_prepare(text_dir, tmp_path, capsys, small_builtin, monkeypatch):
     add_prepare_args(parser)
     out = tmp_path / "cli_out"
     assert run_prepare(parser.parse_args([str(text_dir), "--out", str(out), "--vocab-size", "300"])) == 0
-    assert capsys.readouterr().out.strip() == str(out)
+    assert capsys.readouterr().out.strip().splitlines()[-1] == str(out)  # progress lines, then the directory
     assert TokenDataset(out).vocab_size <= 300
     with pytest.raises(LowbitError) as e:
         run_prepare(parser.parse_args([str(text_dir), "--out", str(out), "--vocab-size", "300"]))
@@ -531,7 +531,7 @@ def test_cli_prepare(text_dir, tmp_path, capsys, small_builtin, monkeypatch):
     capsys.readouterr()
     monkeypatch.setenv("LOWBIT_CACHE", str(tmp_path / "cache"))
     assert run_prepare(parser.parse_args(["--vocab-size", "300"])) == 0
-    printed = Path(capsys.readouterr().out.strip())
+    printed = Path(capsys.readouterr().out.strip().splitlines()[-1])
     assert printed.parent == tmp_path / "cache" and (printed / "meta.json").is_file()
     assert run_prepare(parser.parse_args(["--out", str(tmp_path / "b"), "--vocab-size", "300"])) == 0
     assert (tmp_path / "b" / "meta.json").is_file()

@@ -33,7 +33,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
 
 
 def run_prepare(args: argparse.Namespace) -> int:
-    """Prepare, then print the dataset directory on stdout (progress goes to stderr)."""
+    """Prepare, then print the dataset directory as the last line on stdout."""
     from lowbit.data.prepare import prepare  # lazy: prepare.py re-exports this module
 
     if args.vocab_size is not None and args.vocab_size <= 257:

@@ -6,7 +6,6 @@ import errno
 import json
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -61,7 +60,8 @@ def prepare(
     files = list_files(inputs)  # once, before our temporary directory can appear among them
     t0 = time.perf_counter()
     how = f"tokenizer {tokenizer}" if tokenizer else f"training a {vocab_size}-token BPE tokenizer"
-    print(f"lowbit prepare: {len(files)} file(s) -> {out_dir} ({how})", file=sys.stderr, flush=True)
+    # Progress goes to stdout: stderr carries only the one-line error if something is wrong.
+    print(f"lowbit prepare: {len(files)} file(s) -> {out_dir} ({how})", flush=True)
 
     if tokenizer:
         tok = load_tokenizer(tokenizer)
@@ -90,7 +90,6 @@ def prepare(
     print(
         f"lowbit prepare: {t['train']:,} train + {t['val']:,} val tokens "
         f"({d['train']:,} + {d['val']:,} documents) in {time.perf_counter() - t0:.1f} s -> {out_dir}",
-        file=sys.stderr,
         flush=True,
     )
     return meta

@@ -60,9 +60,9 @@ def save(run_dir: str | Path, step: int, model_state: dict, state: dict, info: d
     root = checkpoint_root(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
+    for debris in root.glob(".tmp-*"):  # left by a process killed mid-write; one writer per run dir
+        shutil.rmtree(debris, ignore_errors=True)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     try:
         _write_files(tmp, model_state, state, info)
@@ -114,13 +114,17 @@ def find_resumable(run_dir: str | Path) -> Path:
     candidates = list_checkpoints(run_dir)
     if not candidates:
         raise LowbitError(f"run.resume: no checkpoint in {checkpoint_root(run_dir)}")
+    skipped = []
     for path in reversed(candidates):
         try:
             verify(path)
-            return path
         except LowbitError as e:
-            print(f"lowbit: skipping {e}", file=sys.stderr)
-    raise LowbitError(f"run.resume: every checkpoint in {checkpoint_root(run_dir)} is corrupt")
+            skipped.append(str(e))
+            continue
+        for reason in skipped:
+            print(f"lowbit: skipping {reason}", file=sys.stderr)
+        return path
+    raise LowbitError(f"run.resume: every checkpoint in {checkpoint_root(run_dir)} is corrupt ({skipped[0]})")
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:

@@ -1,0 +1,35 @@
+import json
+from pathlib import Path
+
+import pytest
+
+from lowbit.cli import main
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cache(tmp_path_factory):
+    """One dataset cache for the whole session, so the built-in corpus is prepared once, not in ~/.cache."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("LOWBIT_CACHE", str(tmp_path_factory.mktemp("lowbit-cache")))
+    yield
+    mp.undo()
+
+
+# A model small enough that a few steps take a second on a 2-core CPU.
+SMALL = ["--model.dim", "64", "--model.n_layers", "2", "--model.n_heads", "2", "--model.n_kv_heads", "1",
+         "--data.seq_len", "32", "--train.batch_size", "4", "--train.warmup_steps", "3", "--train.eval_every", "4",
+         "--train.eval_batches", "2", "--train.log_every", "4", "--run.plot", "false"]
+
+
+def cli(capsys, *args: str) -> tuple[int, str, str]:
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
+    return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}

@@ -1,0 +1,177 @@
+"""Bad input: one line on stderr naming the key or file, exit status 2, no traceback, nothing overwritten."""
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import SMALL, cli
+from lowbit.data import default_dataset, train_tokenizer
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_user_error(capsys, args, *needles):
+    code, out, err = cli(capsys, *args)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lowbit: error:"), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> Path:
+    """A private copy of the prepared built-in corpus that tests may damage."""
+    src = default_dataset()
+    dst = tmp_path_factory.mktemp("ds") / "data"
+    shutil.copytree(src, dst)
+    return dst
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--model.foo", "3"], ["model.foo"]),
+    (["--foo.bar", "1"], ["foo.bar"]),
+    (["--train.steps", "abc"], ["train.steps", "int"]),
+    (["--train.lr", "fast"], ["train.lr", "float"]),
+    (["--run.resume", "maybe"], ["run.resume", "bool"]),
+    (["--train.steps", "0"], ["train.steps", "> 0"]),
+    (["--train.batch_size", "-4"], ["train.batch_size"]),
+    (["--model.dim", "0"], ["model.dim"]),
+    (["--data.seq_len", "-1"], ["data.seq_len"]),
+    (["--model.n_heads", "0"], ["model.n_heads"]),
+    (["--checkpoint.every", "-1"], ["checkpoint.every"]),
+    (["--model.dim", "100", "--model.n_heads", "3"], ["model.dim", "model.n_heads"]),
+    (["--model.n_heads", "4", "--model.n_kv_heads", "3"], ["model.n_heads", "model.n_kv_heads"]),
+    (["--model.preset", "13b"], ["model.preset"]),
+    (["--recipe", "fp3"], ["recipe"]),
+    (["--train.dtype", "fp16"], ["train.dtype"]),
+    (["--train.batch_size", "6", "--train.micro_batch_size", "4"], ["train.micro_batch_size"]),
+    (["--data.val_fraction", "1.5"], ["data.val_fraction"]),
+    (["--train.stop_at", "50", "--train.steps", "10"], ["train.stop_at"]),
+    (["stray"], ["stray"]),
+])
+def test_bad_config_values(capsys, tmp_path, args, needles):
+    run = tmp_path / "run"
+    if args[0] == "stray":
+        args = ["--train.steps", "2", "stray"]
+    assert_user_error(capsys, ["train", *args, "--run.dir", run], *needles)
+    assert not run.exists()
+
+
+def test_bad_toml_files(capsys, tmp_path):
+    bad_type = tmp_path / "bad.toml"
+    bad_type.write_text('[train]\nsteps = "ten"\n')
+    assert_user_error(capsys, ["train", bad_type], "train.steps")
+    unknown = tmp_path / "unknown.toml"
+    unknown.write_text("[model]\nwidth = 3\n")
+    assert_user_error(capsys, ["train", unknown], "model.width")
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\n")
+    assert_user_error(capsys, ["train", broken], str(broken))
+    assert_user_error(capsys, ["train", tmp_path / "missing.toml"], "missing.toml")
+
+
+def test_shipped_configs_are_valid():
+    from lowbit.train.config import load_config
+
+    configs = sorted(Path(__file__).parent.parent.glob("configs/*.toml"))
+    assert {p.stem for p in configs} >= {"tiny", "125m", "350m", "1b", "7b"}
+    for p in configs:
+        assert load_config(str(p), []).model.preset == p.stem
+
+
+def test_missing_data_path(capsys, tmp_path):
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", tmp_path / "nope", "--run.dir", tmp_path / "r"],
+                      "nope")
+    assert not (tmp_path / "r").exists()
+
+
+def test_empty_corpus(capsys, tmp_path):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("")
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", tmp_path / "empty", "--run.dir", tmp_path / "r"],
+                      "empty corpus")
+
+
+def test_shard_size_and_checksum_mismatch(capsys, tmp_path, dataset):
+    bad = tmp_path / "bad"
+    shutil.copytree(dataset, bad)
+    shard = sorted(bad.glob("train_*.bin"))[0]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", bad, "--run.dir", tmp_path / "r"], shard.name,
+                      "checksum")
+    shard.write_bytes(bytes(data[:-6]))
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", bad, "--run.dir", tmp_path / "r"], shard.name, "size")
+    assert not (tmp_path / "r").exists()
+
+
+def test_tokenizer_differs_from_shards(capsys, tmp_path, dataset):
+    other = train_tokenizer(["completely different text " * 50, "another document"], vocab_size=300)
+    other.save(str(tmp_path / "tokenizer.json"))
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--data.tokenizer", tmp_path / "tokenizer.json",
+                               "--run.dir", tmp_path / "r"], "tokenizer")
+
+
+def test_vocab_larger_than_embedding(capsys, tmp_path, dataset):
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--model.vocab_size", "1000",
+                               "--run.dir", tmp_path / "r"], "model.vocab_size")
+
+
+def test_run_dir_not_writable(capsys, tmp_path, dataset):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    # A path under a regular file cannot be created, even by root (chmod would not stop root).
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--run.dir", blocker / "run"], "run.dir")
+    assert blocker.read_text() == "not a directory"
+
+
+def test_resume_missing_or_corrupt(capsys, tmp_path, dataset):
+    run = tmp_path / "run"
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--run.dir", run, "--run.resume"],
+                      "no checkpoint")
+    assert cli(capsys, "train", *SMALL, "--data.path", dataset, "--train.steps", "2", "--run.dir", run)[0] == 0
+    (next((run / "checkpoints").iterdir()) / "state.pt").write_bytes(b"garbage")
+    before = snapshot(run)
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--train.steps", "4", "--run.dir", run,
+                               "--run.resume"], "corrupt")
+    assert snapshot(run) == before
+
+
+def test_existing_run_is_not_overwritten(capsys, tmp_path, dataset):
+    run = tmp_path / "run"
+    assert cli(capsys, "train", *SMALL, "--data.path", dataset, "--train.steps", "2", "--run.dir", run)[0] == 0
+    before = snapshot(run)
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--train.steps", "2", "--run.dir", run],
+                      "already holds a run")
+    # A resume whose config no longer fits the checkpoint fails before touching anything either.
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--model.dim", "128", "--run.dir", run,
+                               "--run.resume"], "model shape")
+    assert snapshot(run) == before
+
+
+def test_non_finite_loss_stops_with_one_line_and_keeps_last_checkpoint(capsys, tmp_path, dataset):
+    run = tmp_path / "run"
+    line = assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--train.steps", "30",
+                                      "--checkpoint.every", "1", "--train.lr", "1e30", "--train.warmup_steps", "0",
+                                      "--train.grad_clip", "0", "--run.dir", run], "non-finite")
+    step = int(line.split(" at step ")[1].split(";")[0])
+    from lowbit.train import checkpoint as ckpt
+
+    names = [p.name for p in ckpt.list_checkpoints(run)]
+    assert names and int(names[-1].split("_")[1]) == step - 1  # nothing written after the bad step
+
+
+def test_generate_and_export_bad_input(capsys, tmp_path):
+    assert_user_error(capsys, ["generate", tmp_path / "nope"], "nope")
+    assert_user_error(capsys, ["export-hf", tmp_path / "nope", tmp_path / "out"], "nope")
+    assert_user_error(capsys, ["generate"], "run_dir")
+    assert_user_error(capsys, ["frobnicate"], "frobnicate")

@@ -1,0 +1,159 @@
+"""The trainer end to end: default run, resume bit for bit, crash-safe checkpoints, accumulation, reporting."""
+
+import json
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import SMALL, cli, losses, read_metrics
+from lowbit.train import checkpoint as ckpt
+from lowbit.train.trainer import lr_lambda
+
+
+@pytest.fixture(scope="session")
+def default_run(tmp_path_factory):
+    """The default job exactly as `lowbit train` runs it, only in a temporary run dir."""
+    from lowbit.cli import main
+
+    run_dir = tmp_path_factory.mktemp("default") / "run"
+    assert main(["train", "--run.dir", str(run_dir)]) == 0
+    return run_dir
+
+
+def test_default_run_learns(default_run):
+    vocab = json.loads((default_run / "checkpoints" / "step_00000250" / "trainer.json").read_text())
+    ln_vocab = math.log(vocab["model_args"]["vocab_size"])
+    val = losses(default_run, "val_loss")
+    assert max(val) == 250
+    assert val[250] < 0.5 * ln_vocab, (val, ln_vocab)
+    assert val[250] < val[min(val)]
+    for name in ("loss.png", "config.toml", "tokenizer.json", "summary.json"):
+        assert (default_run / name).is_file()
+    train_lines = [r for r in read_metrics(default_run) if "loss" in r]
+    assert [r["step"] for r in train_lines] == list(range(1, 251))
+
+
+def test_generate_and_export_from_default_run(default_run, tmp_path, capsys):
+    code, out, _ = cli(capsys, "generate", default_run, "--prompt", "import ", "--max-new-tokens", "20")
+    assert code == 0 and out.startswith("import ")
+    code, _, _ = cli(capsys, "export-hf", default_run, tmp_path / "hf")
+    assert code == 0
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "hf" / name).is_file()
+    transformers = pytest.importorskip("transformers")
+    from lowbit.tools.generate import load_trained
+
+    model, _, _ = load_trained(str(default_run))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = tok("def f(x):\n    return", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert (model(ids) - hf(ids).logits).abs().max().item() <= 1e-4
+    code, _, err = cli(capsys, "export-hf", default_run, tmp_path / "hf")
+    assert code == 2 and "not empty" in err
+
+
+def test_stop_and_resume_is_bit_exact(tmp_path, capsys):
+    full, part = tmp_path / "full", tmp_path / "part"
+    assert cli(capsys, "train", *SMALL, "--train.steps", "12", "--run.dir", full)[0] == 0
+    assert cli(capsys, "train", *SMALL, "--train.steps", "12", "--train.stop_at", "6", "--run.dir", part)[0] == 0
+    assert max(losses(part)) == 6
+    code, out, _ = cli(capsys, "train", *SMALL, "--train.steps", "12", "--run.dir", part, "--run.resume")
+    assert code == 0 and "resuming" in out
+    assert losses(part) == losses(full)  # every step, bit for bit (floats round-trip through JSON exactly)
+    val_part = losses(part, "val_loss")
+    assert val_part.pop(6)  # the stopped run also validated where it stopped
+    assert val_part == losses(full, "val_loss")
+
+
+def test_crash_while_writing_checkpoint_keeps_previous(tmp_path, capsys, monkeypatch):
+    full, run = tmp_path / "full", tmp_path / "run"
+    args = [*SMALL, "--train.steps", "10", "--checkpoint.every", "4"]
+    assert cli(capsys, "train", *args, "--run.dir", full)[0] == 0
+
+    real = ckpt._write_files
+
+    def crash_at_step_8(tmp, model_state, state, info):
+        if info["step"] == 8:
+            (tmp / "model.safetensors").write_bytes(b"half a file")
+            raise KeyboardInterrupt  # the process dies mid-write
+        real(tmp, model_state, state, info)
+
+    monkeypatch.setattr(ckpt, "_write_files", crash_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        from lowbit.train.config import load_config
+        from lowbit.train.trainer import train
+
+        train(load_config(None, [*args, "--run.dir", str(run)]))
+    monkeypatch.setattr(ckpt, "_write_files", real)
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_00000004"]
+    ckpt.verify(ckpt.list_checkpoints(run)[0])
+    code, out, _ = cli(capsys, "train", *args, "--run.dir", run, "--run.resume")
+    assert code == 0 and "step 4" in out
+    assert losses(run) == losses(full)
+
+
+def test_resume_skips_corrupt_newest_checkpoint(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli(capsys, "train", *SMALL, "--train.steps", "8", "--checkpoint.every", "4", "--run.dir", run)[0] == 0
+    newest = ckpt.list_checkpoints(run)[-1]
+    data = bytearray((newest / "model.safetensors").read_bytes())
+    data[-3] ^= 0xFF
+    (newest / "model.safetensors").write_bytes(bytes(data))
+    code, out, err = cli(capsys, "train", *SMALL, "--train.steps", "8", "--run.dir", run, "--run.resume")
+    assert code == 0 and "skipping" in err and "step 4" in out
+
+
+def test_gradient_accumulation_matches_full_batch(tmp_path, capsys):
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert cli(capsys, "train", *SMALL, "--train.steps", "3", "--run.dir", a)[0] == 0
+    assert cli(capsys, "train", *SMALL, "--train.steps", "3", "--train.micro_batch_size", "1", "--run.dir", b)[0] == 0
+    la, lb = losses(a), losses(b)
+    for step in la:
+        assert la[step] == pytest.approx(lb[step], rel=1e-5)
+
+
+def test_metrics_lines_and_tensorboard(tmp_path, capsys):
+    run = tmp_path / "run"
+    pytest.importorskip("tensorboard")
+    code, out, _ = cli(capsys, "train", *SMALL, "--train.steps", "4", "--run.dir", run, "--run.tensorboard", "true",
+                       "--run.plot", "true")
+    assert code == 0
+    lines = read_metrics(run)
+    train_lines = [r for r in lines if "loss" in r]
+    val_lines = [r for r in lines if "val_loss" in r]
+    assert all({"step", "loss", "lr", "grad_norm", "tokens"} <= set(r) for r in train_lines)
+    assert val_lines and all({"step", "val_loss", "val_ppl"} <= set(r) for r in val_lines)
+    assert "tok/s" in out and "eta" in out
+    assert list((run / "tensorboard").glob("events.*"))
+    assert (run / "loss.png").stat().st_size > 1000
+
+
+def test_lr_schedule_warmup_then_cosine():
+    f = lr_lambda(steps=100, warmup=10, min_ratio=0.1)
+    assert f(0) == pytest.approx(0.1) and f(9) == pytest.approx(1.0)
+    assert f(10) == pytest.approx(1.0)
+    assert f(55) == pytest.approx(0.55)
+    assert f(100) == pytest.approx(0.1) and f(500) == pytest.approx(0.1)
+    assert all(f(i) >= f(i + 1) for i in range(10, 120))
+
+
+def test_checkpoint_keeps_last_k(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = [*SMALL, "--train.steps", "10", "--checkpoint.every", "2", "--checkpoint.keep", "2"]
+    assert cli(capsys, "train", *args, "--run.dir", run)[0] == 0
+    assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_00000008", "step_00000010"]
+    state = torch.load(ckpt.list_checkpoints(run)[-1] / "state.pt", weights_only=True)  # nothing beyond tensors
+    assert {"optimizer", "scheduler", "rng"} <= set(state)
+
+
+def test_python_m_lowbit_entry_point():
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-m", "lowbit", "train", "--help"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0
+    assert "--train.steps" in out.stdout and "--model.preset" in out.stdout and "--recipe" in out.stdout
