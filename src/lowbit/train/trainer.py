@@ -195,7 +195,10 @@ def train(cfg: Config) -> dict:
 
     def save_checkpoint(step: int) -> Path:
         state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(device)}
-        info = {"step": step, "tokens_seen": tokens_seen, "model_args": dataclasses.asdict(args),
+        # The loader position is the step: the data order is a pure function of (seed, step).
+        info = {"step": step, "tokens_seen": tokens_seen, "data_position": {"batch": step, "seed": t.seed,
+                                                                            "epoch": loader.epoch_of(step)},
+                "model_args": dataclasses.asdict(args),
                 "tokenizer_hash": dataset.meta["tokenizer_hash"], "recipe": recipe.name, "config": to_dict(cfg),
                 "dataset": str(data_path)}
         return ckpt.save(run_dir, step, model.state_dict(), state, info, keep=cfg.checkpoint.keep)
@@ -259,6 +262,7 @@ def train(cfg: Config) -> dict:
             summary.update(step=step, loss=loss_value)
 
             end = step == last_step or stop.requested
+            pause_t0 = time.perf_counter()  # validation and checkpoints are kept out of tokens/s and the ETA
             if val_data and ((t.eval_every and step % t.eval_every == 0) or end):
                 val_loss = evaluate(step_fn, val_data, device, autocast)
                 metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
@@ -267,6 +271,10 @@ def train(cfg: Config) -> dict:
                 summary["val_loss"] = val_loss
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or end:
                 save_checkpoint(step)
+            paused = time.perf_counter() - pause_t0
+            window_t0 += paused
+            if run_t0 is not None:
+                run_t0 += paused
             if stop.requested:
                 print(f"lowbit: stopped by signal after step {step}; resume with --run.resume", flush=True)
                 break
