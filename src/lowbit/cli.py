@@ -14,6 +14,8 @@ commands:
   prepare [INPUT ...] [--out DIR] [...]           tokenize text/.jsonl/.parquet into token shards
   generate RUN_DIR [--prompt TEXT] [...]          sample text from a run's newest checkpoint
   export-hf RUN_DIR OUT_DIR                       write a HF transformers LlamaForCausalLM directory
+  recipes                                         list the numerics recipes
+  inspect RUN_DIR                                 numerics telemetry: heatmaps and the worst layers
 
 `lowbit <command> --help` lists a command's options."""
 
@@ -40,11 +42,21 @@ def _subcommand(name: str, argv: list[str]) -> int:
         from lowbit.data import add_prepare_args as add, run_prepare as run
     elif name == "generate":
         from lowbit.tools.generate import add_args as add, run
+    elif name == "inspect":
+        from lowbit.tools.inspect import add_args as add, run
     else:
         from lowbit.tools.export_hf import add_args as add, run
     parser = _Parser(prog=f"lowbit {name}")
     add(parser)
     return run(parser.parse_args(argv))
+
+
+def _recipes() -> int:
+    from lowbit.recipes import RECIPES
+
+    for r in RECIPES.values():
+        print(f"{r.name:<16} {r.description}")
+    return 0
 
 
 class _Parser(argparse.ArgumentParser):
@@ -63,14 +75,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             return _train(rest)
-        if command in ("prepare", "generate", "export-hf"):
+        if command in ("prepare", "generate", "export-hf", "inspect"):
             return _subcommand(command, rest)
+        if command == "recipes":
+            return _recipes()
         if command in ("-V", "--version"):
             from lowbit import __version__
 
             print(__version__)
             return 0
-        raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf)")
+        raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf, recipes, inspect)")
     except LowbitError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
         return 2

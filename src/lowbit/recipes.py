@@ -1,27 +1,52 @@
-"""Named numerics recipes and `convert(model, recipe)`, which swaps a plain model's linears for low-precision ones.
-
-A recipe is data (a frozen dataclass), not a code path. The low-precision recipes (FP8, FP8-LM, FP4) arrive with
-the numerics core; `bf16` is the baseline every one of them is compared against.
+"""Named numerics recipes and `convert(model, recipe)`, which swaps a plain model's nn.Linear layers for
+LowPrecisionLinear ones. A recipe is data (a frozen dataclass), not a code path.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from torch import nn
 
 from lowbit.errors import LowbitError
+from lowbit.linear import LinearRecipe, LowPrecisionLinear
+from lowbit.scaling import Scaling
 
 
 @dataclass(frozen=True)
 class Recipe:
     name: str
     description: str
+    linear: LinearRecipe | None = None  # None: every linear stays in the compute dtype
+    keep_lm_head: bool = True  # the output head stays high precision (its logits feed the softmax directly)
+    keep_first_last: bool = False  # the first and last transformer blocks stay high precision
+    min_dim: int = 0  # linears with in or out features below this stay high precision (too small to gain)
 
 
-RECIPES: dict[str, Recipe] = {
-    "bf16": Recipe("bf16", "baseline: every linear computes in train.dtype (bf16 autocast on GPU)"),
-}
+def _fp8(inp: Scaling, weight: Scaling, grad: Scaling, **kw) -> LinearRecipe:
+    return LinearRecipe(input=inp, weight=weight, grad_output=grad, **kw)
+
+
+_TE_DELAYED = dict(strategy="delayed", history=1024, algo="max")
+_FP8LM_WINDOW = dict(strategy="delayed", history=16, algo="max", pow2=True)
+
+RECIPES: dict[str, Recipe] = {r.name: r for r in [
+    Recipe("bf16", "baseline: every linear computes in train.dtype (bf16 autocast on GPU)"),
+    Recipe("fp8-tensorwise", "FP8, one current scale per tensor: E4M3 forward, E5M2 gradients (torchao tensorwise)",
+           _fp8(Scaling("e4m3"), Scaling("e4m3"), Scaling("e5m2"))),
+    Recipe("fp8-delayed", "FP8 with delayed scaling, amax history 1024 (max), TransformerEngine DelayedScaling HYBRID",
+           _fp8(Scaling("e4m3", **_TE_DELAYED), Scaling("e4m3", **_TE_DELAYED), Scaling("e5m2", **_TE_DELAYED))),
+    Recipe("fp8lm", "FP8-LM/MS-AMP windows: input and output-grad history 16, weight current, power-of-two scales",
+           _fp8(Scaling("e4m3", **_FP8LM_WINDOW), Scaling("e4m3", pow2=True), Scaling("e5m2", **_FP8LM_WINDOW))),
+    Recipe("fp8-rowwise", "FP8 with a scale per row (token / output channel), E4M3 throughout (torchao rowwise)",
+           _fp8(Scaling("e4m3", "row"), Scaling("e4m3", "row"), Scaling("e4m3", "row"))),
+    Recipe("fp8-blockwise", "DeepSeek-V3 FP8: 1x128 activation and gradient tiles, 128x128 weight blocks, "
+           "power-of-two scales", _fp8(Scaling("e4m3", "block", (1, 128), pow2=True),
+                                       Scaling("e4m3", "block", (128, 128), pow2=True),
+                                       Scaling("e4m3", "block", (1, 128), pow2=True))),
+    Recipe("mxfp8", "OCP MXFP8: E4M3 elements, one E8M0 scale per 32 along the reduction dimension",
+           _fp8(Scaling("e4m3", "mx"), Scaling("e4m3", "mx"), Scaling("e4m3", "mx"))),
+]}
 
 
 def get_recipe(name: str) -> Recipe:
@@ -30,7 +55,38 @@ def get_recipe(name: str) -> Recipe:
     return RECIPES[name]
 
 
-def convert(model: nn.Module, recipe: Recipe) -> nn.Module:
-    """Apply `recipe` to `model` in place and return it. The baseline (the only recipe so far) leaves every
-    nn.Linear as it is; low-precision recipes will swap eligible linears here."""
-    return model
+def with_filters(recipe: Recipe, **filters) -> Recipe:
+    """The recipe with its module filters (keep_lm_head, keep_first_last, min_dim) overridden."""
+    return replace(recipe, **{k: v for k, v in filters.items() if v is not None})
+
+
+def _kept(name: str, linear: nn.Linear, recipe: Recipe, n_layers: int | None) -> str | None:
+    """Why `name` stays high precision, or None to convert it."""
+    if recipe.keep_lm_head and name in ("output", "lm_head"):
+        return "output head"
+    if recipe.keep_first_last and n_layers and name.startswith(("layers.0.", f"layers.{n_layers - 1}.")):
+        return "first/last block"
+    if min(linear.in_features, linear.out_features) < recipe.min_dim:
+        return f"smaller than min_dim {recipe.min_dim}"
+    return None
+
+
+def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
+    """Swap eligible nn.Linear modules of `model` (in place) for LowPrecisionLinear with the recipe's numerics.
+    Returns {"converted": [names], "kept": ["name (reason)"]}. Embeddings are not linears and stay as they are."""
+    report = {"converted": [], "kept": []}
+    if recipe.linear is None:
+        return report
+    n_layers = len(model.layers) if hasattr(model, "layers") else None
+    for name, module in list(model.named_modules()):
+        if type(module) is not nn.Linear:
+            continue
+        reason = _kept(name, module, recipe, n_layers)
+        if reason:
+            report["kept"].append(f"{name} ({reason})")
+            continue
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LowPrecisionLinear.from_linear(module, recipe.linear))
+        report["converted"].append(name)
+    return report

@@ -13,11 +13,12 @@ from lowbit.train import checkpoint as ckpt
 
 
 def load_trained(run_dir: str) -> tuple[Llama, Path, dict]:
-    """(model in eval mode on CPU, tokenizer.json path, checkpoint info) of a run dir or a checkpoint dir."""
+    """(plain model in eval mode on CPU, tokenizer.json path, checkpoint info) of a run dir or checkpoint dir."""
     path = ckpt.latest_for_inference(run_dir)
     state, info = ckpt.load_model_weights(path)
     model = Llama(ModelArgs(**info["model_args"]))
-    model.load_state_dict(state)
+    # The high-precision weights are the model; a recipe's scaling buffers describe training, not inference.
+    model.load_state_dict({k: v for k, v in state.items() if ".scaling." not in k})
     model.eval()
     for candidate in (path / "tokenizer.json", path.parent.parent / "tokenizer.json"):
         if candidate.is_file():

@@ -80,6 +80,14 @@ class TrainConfig:
 
 
 @dataclass
+class NumericsConfig:
+    keep_lm_head: bool = opt(True, "low-precision recipes leave the output head in train.dtype")
+    keep_first_last: bool = opt(False, "low-precision recipes leave the first and last blocks in train.dtype")
+    min_dim: int = opt(0, "linears with in or out features below this stay in train.dtype (too small to gain)")
+    telemetry_every: int = opt(50, "every N steps record amax, scale, underflow, saturation, SNR per operand; 0: off")
+
+
+@dataclass
 class CheckpointConfig:
     every: int = opt(0, "checkpoint every N steps (and at the end); 0: only at the end")
     keep: int = opt(3, "checkpoints to keep (newest)")
@@ -96,10 +104,11 @@ class RunConfig:
 
 @dataclass
 class Config:
-    recipe: str = opt("bf16", "numerics recipe; bf16: every linear in train.dtype")
+    recipe: str = opt("bf16", "numerics recipe (`lowbit recipes` lists them); bf16: every linear in train.dtype")
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -226,7 +235,7 @@ POSITIVE = [
 ]
 NON_NEGATIVE = [
     "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
-    "train.grad_clip", "train.eval_every", "checkpoint.every",
+    "train.grad_clip", "train.eval_every", "checkpoint.every", "numerics.min_dim", "numerics.telemetry_every",
 ]
 
 

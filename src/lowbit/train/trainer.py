@@ -22,7 +22,8 @@ import torch
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, resolve_model_args
-from lowbit.recipes import convert, get_recipe
+from lowbit.linear import LowPrecisionLinear
+from lowbit.recipes import convert, get_recipe, with_filters
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.config import Config, to_dict, to_toml
 from lowbit.train.metrics import Metrics, gpu_peak_flops, plot_losses, progress_line, truncate_after, warn
@@ -134,7 +135,9 @@ def train(cfg: Config) -> dict:
     """Train according to `cfg`; returns a summary (final step, losses, run dir)."""
     t = cfg.train
     run_dir = Path(cfg.run.dir)
-    recipe = get_recipe(cfg.recipe)
+    n = cfg.numerics
+    recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
+                          min_dim=n.min_dim)
     device = resolve_device(cfg.run.device)
     dtype = compute_dtype(t.dtype, device)
 
@@ -169,7 +172,8 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     model = Llama(args).to(device)
-    convert(model, recipe)
+    conversion = convert(model, recipe)
+    lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, cfg, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
     start_step, tokens_seen = 0, 0
@@ -213,6 +217,9 @@ def train(cfg: Config) -> dict:
     print(f"lowbit: {n_params / 1e6:.2f}M parameters ({args.n_layers} layers, dim {args.dim}, vocab "
           f"{args.vocab_size}) | recipe {recipe.name} | {dtype} on {device} | {t.batch_size}x{cfg.data.seq_len} "
           f"tokens/step ({n_micro} micro-batches) | data {data_path} | run {run_dir}")
+    if recipe.linear is not None:
+        print(f"lowbit: recipe {recipe.name}: {len(conversion['converted'])} linears in low precision; kept in "
+              f"{dtype}: {', '.join(conversion['kept']) or 'none'}")
 
     summary = {"run_dir": str(run_dir), "start_step": start_step, "step": start_step, "loss": None,
                "val_loss": None}
@@ -223,6 +230,9 @@ def train(cfg: Config) -> dict:
         while step < last_step:
             step += 1
             x, y = loader.batch(step - 1)
+            telemetry = lp_layers and n.telemetry_every and (step % n.telemetry_every == 0 or step == 1)
+            for layer in lp_layers.values():
+                layer.telemetry_armed = bool(telemetry)
             loss_sum = torch.zeros((), device=device)
             for xm, ym in zip(x.split(micro), y.split(micro)):
                 with autocast():
@@ -259,6 +269,9 @@ def train(cfg: Config) -> dict:
                       flush=True)
                 window_t0, window_tokens = now, 0
             metrics.log(record)
+            if telemetry:
+                metrics.log({"step": step, "numerics": {name: dict(layer.telemetry)
+                                                         for name, layer in lp_layers.items()}})
             summary.update(step=step, loss=loss_value)
 
             end = step == last_step or stop.requested

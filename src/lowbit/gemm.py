@@ -1,0 +1,69 @@
+"""scaled_matmul: the one place a low-precision GEMM is computed.
+
+`torch._scaled_mm` where the device has the combination (tensorwise and rowwise FP8; on CPU and on sm89+ GPUs),
+exact emulation everywhere else: dequantize each operand (data * scale_inv) and multiply in fp32. With power-of-two
+scales (MX, `pow2=True`) the dequantized operands are exact and so is the emulation up to fp32 accumulation order.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from lowbit.qtensor import QTensor
+
+_warned: set = set()
+
+
+def _warn_once(key, msg: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"lowbit: {msg}", stacklevel=3)
+
+
+def fast_path_reason(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> str | None:
+    """None if torch._scaled_mm can compute a @ bᵀ here, else why not (for the one-time message)."""
+    if a.data.dtype not in _FP8 or b.data.dtype not in _FP8:
+        return "a format without a torch dtype"
+    ga, gb = a.spec.granularity, b.spec.granularity
+    if not {ga, gb} <= {"tensor", "row"}:
+        return f"{ga} x {gb} scaling"
+    K, N = a.shape[1], b.shape[0]
+    if K % 16 or N % 16:
+        return f"K={K}, N={N} not multiples of 16 (emulated rather than padded)"
+    dev = a.data.device
+    if dev.type == "cuda":
+        if torch.cuda.get_device_capability(dev) < (8, 9):
+            return "a GPU without FP8 tensor cores"
+        if a.data.dtype == b.data.dtype == torch.float8_e5m2:
+            return "E5M2 x E5M2 (no such kernel)"
+        if "row" in (ga, gb) and (a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn
+                                  or out_dtype != torch.bfloat16):
+            return "rowwise needs E4M3 x E4M3 with a bf16 output"
+    elif dev.type != "cpu":
+        return f"device {dev.type}"
+    return None
+
+
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _rowwise(q: QTensor, rows: int) -> torch.Tensor:
+    s = q.scale_inv.float()
+    return s.reshape(1, 1).expand(rows, 1).contiguous() if q.spec.granularity == "tensor" else s.reshape(rows, 1)
+
+
+def scaled_matmul(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """a [M, K] @ b [N, K]ᵀ -> [M, N] in `out_dtype`, fp32 accumulation."""
+    reason = fast_path_reason(a, b, out_dtype)
+    if reason is None:
+        if a.spec.granularity == b.spec.granularity == "tensor":
+            sa, sb = a.scale_inv.float().reshape(()), b.scale_inv.float().reshape(())
+        else:
+            sa, sb = _rowwise(a, a.shape[0]), _rowwise(b, b.shape[0]).reshape(1, -1)
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    if a.data.device.type == "cuda":
+        _warn_once((a.shape, b.shape, reason), f"scaled GEMM {tuple(a.shape)} x {tuple(b.shape)}ᵀ emulated: {reason}")
+    with torch.autocast(a.data.device.type, enabled=False):
+        return (a.dequantize() @ b.dequantize().t()).to(out_dtype)

@@ -1,0 +1,141 @@
+"""LowPrecisionLinear: an nn.Linear whose three GEMMs run in low precision.
+
+    fprop  y  = x · Wᵀ      input (E4M3) x weight (E4M3)
+    dgrad  dx = dy · W      grad_output (E5M2) x weight (E4M3)
+    wgrad  dW = dyᵀ · x     grad_output (E5M2) x input (E4M3), or in high precision (`wgrad_hp`)
+
+Each operand is quantized with the recipe's Scaling for it, along the reduction dimension of the GEMM it enters.
+What is saved for backward is the quantized input (1 byte/element for FP8), not the high-precision one. Where the
+backward needs an operand scaled along another dimension: the weight is re-quantized from the parameter (kept
+anyway); the input, whose high-precision copy is gone, is re-quantized from its dequantized value (tensor
+granularity needs neither: the transpose keeps the scale).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowbit.gemm import scaled_matmul
+from lowbit.qtensor import QTensor, quantize
+from lowbit.scaling import Scaling, ScalingState, expand_groups
+
+OPERANDS = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class LinearRecipe:
+    """The numerics of one linear layer: a Scaling per operand."""
+
+    input: Scaling = Scaling("e4m3")
+    weight: Scaling = Scaling("e4m3")
+    grad_output: Scaling = Scaling("e5m2")
+    wgrad_hp: bool = False  # compute dW = dyᵀ·x in the autocast dtype instead of low precision
+
+
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass: a forward replayed by activation checkpointing then must not
+    record its amaxes a second time."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def _stats(x: torch.Tensor, q: QTensor) -> dict[str, float]:
+    """Telemetry of one quantized operand: amax, scale, % of non-zeros flushed to zero, % saturated, SNR (dB)."""
+    x = x.detach().float()
+    deq = q.dequantize()
+    scale = q.scale_inv.float().reciprocal()
+    fmt = q.spec.format
+    nonzero = x != 0
+    n = max(x.numel(), 1)
+    scaled = (x * expand_groups(scale, q.spec, x.shape)).abs()
+    noise = (x - deq).pow(2).sum()
+    signal = x.pow(2).sum()
+    snr = 10 * math.log10(signal.item() / noise.item()) if noise.item() > 0 and signal.item() > 0 else None
+    return {
+        "amax": x.abs().amax().item(),
+        "scale": scale.mean().item() if scale.numel() > 1 else scale.item(),
+        "underflow_pct": 100.0 * ((deq == 0) & nonzero).sum().item() / n,
+        "saturated_pct": 100.0 * (scaled > fmt.max).sum().item() / n,
+        "snr_db": snr,
+    }
+
+
+class _LowPrecisionMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, layer: LowPrecisionLinear, update: bool):
+        r = layer.recipe
+        out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        x2 = x.reshape(-1, x.shape[-1])
+        with torch.autocast(x.device.type, enabled=False):
+            qx = quantize(x2, r.input, layer.scaling["input"], update)
+            qw = quantize(weight, r.weight, layer.scaling["weight"], update)
+            y = scaled_matmul(qx, qw, out_dtype)
+        if layer.telemetry_armed:
+            layer.telemetry["input"] = _stats(x2, qx)
+            layer.telemetry["weight"] = _stats(weight, qw)
+        ctx.save_for_backward(qx.data, qx.scale_inv, weight)
+        # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
+        ctx.qw = qw if r.weight.granularity == "tensor" else None
+        ctx.layer, ctx.update, ctx.x_shape, ctx.x_dtype = layer, update, x.shape, x.dtype
+        return y.reshape(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        qx_data, qx_scale_inv, weight = ctx.saved_tensors
+        layer = ctx.layer
+        r = layer.recipe
+        qx = QTensor(qx_data, qx_scale_inv, r.input)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        with torch.autocast(dy.device.type, enabled=False):
+            qdy = quantize(dy2, r.grad_output, layer.scaling["grad_output"], ctx.update)
+            if layer.telemetry_armed:
+                layer.telemetry["grad_output"] = _stats(dy2, qdy)
+            # dgrad: dy [M, N] @ (Wᵀ [K, N])ᵀ
+            wt = ctx.qw.t() if r.weight.granularity == "tensor" else quantize(weight.t(), r.weight)
+            dx = scaled_matmul(qdy, wt, ctx.x_dtype)
+            # wgrad: dyᵀ [N, M] @ (xᵀ [K, M])ᵀ
+            if r.wgrad_hp:
+                dw = (dy2.t() @ qx.dequantize(dy.dtype)).to(weight.dtype)
+            else:
+                dyt = qdy.t() if r.grad_output.granularity == "tensor" else quantize(dy2.t(), r.grad_output)
+                xt = qx.t() if r.input.granularity == "tensor" else quantize(qx.dequantize().t(), r.input)
+                dw = scaled_matmul(dyt, xt, weight.dtype)
+        return dx.reshape(ctx.x_shape), dw, None, None
+
+
+class LowPrecisionLinear(nn.Linear):
+    """Drop-in for nn.Linear (same parameters, same state_dict keys plus the scaling buffers)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, recipe: LinearRecipe = None,
+                 device=None, dtype=None):
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self.recipe = recipe or LinearRecipe()
+        self.scaling = nn.ModuleDict({name: ScalingState(getattr(self.recipe, name)) for name in OPERANDS})
+        if device is not None:
+            self.scaling.to(device)
+        self.telemetry_armed = False
+        self.telemetry: dict[str, dict[str, float]] = {}
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: LinearRecipe) -> LowPrecisionLinear:
+        """Wrap an existing nn.Linear, sharing its parameters."""
+        new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, device="meta")
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new.scaling = nn.ModuleDict({name: ScalingState(getattr(recipe, name)) for name in OPERANDS}).to(
+            linear.weight.device)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        update = self.training and torch.is_grad_enabled() and not _in_backward()
+        y = _LowPrecisionMatmul.apply(x, self.weight, self, update)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        r = self.recipe
+        return (f"{self.in_features}, {self.out_features}, input={r.input.fmt}/{r.input.granularity}, "
+                f"weight={r.weight.fmt}/{r.weight.granularity}, grad_output={r.grad_output.fmt}/"
+                f"{r.grad_output.granularity}{', wgrad_hp' if r.wgrad_hp else ''}")

@@ -1,0 +1,56 @@
+"""QTensor: quantized data + the scale_inv of each scaling group + how it was scaled.
+
+`data` is a torch float8 tensor for E4M3/E5M2 (what `torch._scaled_mm` takes), and fp32 values on the grid for
+formats torch has no dtype for (FP4, FP6). Dequantized value = data * scale_inv (broadcast over groups).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+
+
+@dataclass
+class QTensor:
+    data: torch.Tensor
+    scale_inv: torch.Tensor  # group layout of scaling.group_amax: [], [M, 1], [1, K] or [M/r, K/c]
+    spec: Scaling
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.data.float() * expand_groups(self.scale_inv, self.spec, self.data.shape)).to(dtype)
+
+    def t(self) -> QTensor:
+        """The transpose, as a contiguous copy of the (1-byte) data. Only tensor-granularity scales survive a
+        transpose unchanged; other granularities must be re-quantized along the new reduction dimension."""
+        if self.spec.granularity != "tensor":
+            raise ValueError(f"{self.spec.granularity} scales do not transpose; re-quantize instead")
+        return QTensor(self.data.t().contiguous(), self.scale_inv, self.spec)
+
+
+def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = False,
+         generator: torch.Generator | None = None) -> torch.Tensor:
+    """x * scale onto the format's grid: round to nearest even (or stochastically), saturating at ±max."""
+    fmt = s.format
+    y = x.float() * expand_groups(scale, s, x.shape)
+    if fmt.torch_dtype is not None and not stochastic:
+        # torch's float8 casts round to nearest even; clamping first makes them saturate (NaN stays NaN)
+        return y.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
+    q = fmt.quantize(y, stochastic=stochastic, generator=generator)
+    return q.to(fmt.torch_dtype) if fmt.torch_dtype is not None else q
+
+
+def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, update: bool = False) -> QTensor:
+    """Quantize a 2-D tensor (last dimension = the GEMM's reduction dimension). With a `state`, its strategy
+    picks the scale (and records this amax when `update`); without one, current scaling."""
+    if state is not None:
+        scale = state.scales_for(x, update)
+    else:
+        scale, _ = scale_from_amax(group_amax(x, s), s)
+    return QTensor(cast(x, scale, s), scale.reciprocal(), s)

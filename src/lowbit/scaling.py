@@ -1,0 +1,185 @@
+"""How a scale is chosen: granularity (which elements share a scale) x strategy (whose amax sets it).
+
+Every operand is seen as a 2-D matrix whose last dimension is the GEMM's reduction dimension (lowbit's GEMMs are
+`A @ Bᵀ` with A [M, K] and B [N, K]). Granularities:
+
+    tensor   one scale for the whole matrix
+    row      one scale per row: per token for activations, per output channel for weights (what `_scaled_mm`
+             calls rowwise); constant along the reduction dimension, so the GEMM can apply it afterwards
+    column   one scale per column (per input channel): varies along the reduction dimension, emulated only
+    block    one scale per (rows x cols) tile, e.g. (1, 128) activations and (128, 128) weights (DeepSeek-V3)
+    mx       one E8M0 (power-of-two) scale per 32 consecutive elements along the reduction dimension (OCP MX)
+
+Strategies: `current` uses the amax of the tensor being cast; `delayed` uses an amax history of past steps
+(tensor granularity only): TransformerEngine's rolling window (`interval=1`: the scale is recomputed every step
+from the window) and nanotron's interval semantics (`interval=N`: recomputed once every N steps).
+
+scale = 2^-margin * fmt.max / amax, optionally rounded down to a power of two; `q = cast(x * scale)`.
+An amax that is 0, NaN or Inf keeps the previous scale (1 where there is none) and is counted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError
+from lowbit.formats import get_format
+
+GRANULARITIES = ("tensor", "row", "column", "block", "mx")
+STRATEGIES = ("current", "delayed")
+MX_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """How one GEMM operand is quantized."""
+
+    fmt: str = "e4m3"
+    granularity: str = "tensor"
+    block: tuple[int, int] = (1, 128)  # `block` only: (rows, cols), cols along the reduction dimension
+    strategy: str = "current"
+    history: int = 16  # delayed: amax history length
+    algo: str = "max"  # delayed: max | most_recent
+    interval: int = 1  # delayed: recompute the scale every `interval` updates
+    margin: int = 0
+    pow2: bool = False  # round scales down to powers of two (exact dequantization)
+
+    def __post_init__(self):
+        fmt = get_format(self.fmt)
+        if fmt.name == "e8m0":
+            raise LowbitError("scaling: e8m0 holds scales, not data; pick e4m3, e5m2, e2m1, e3m2 or e2m3")
+        if self.granularity not in GRANULARITIES:
+            raise LowbitError(f"scaling granularity {self.granularity!r} is not one of {', '.join(GRANULARITIES)}")
+        if self.strategy not in STRATEGIES:
+            raise LowbitError(f"scaling strategy {self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        if self.strategy == "delayed" and self.granularity != "tensor":
+            raise LowbitError(f"delayed scaling needs tensor granularity, not {self.granularity!r}: a history of "
+                              "per-row or per-block amaxes has no meaning when rows are different tokens each step")
+        if self.algo not in ("max", "most_recent"):
+            raise LowbitError(f"delayed scaling algo {self.algo!r} is not one of max, most_recent")
+        if self.history < 1 or self.interval < 1:
+            raise LowbitError("delayed scaling: history and interval must be >= 1")
+        if self.granularity == "block" and (len(self.block) != 2 or min(self.block) < 1):
+            raise LowbitError(f"block scaling: block must be two positive sizes, got {self.block}")
+
+    @property
+    def format(self):
+        return get_format(self.fmt)
+
+    @property
+    def group(self) -> tuple[int, int] | None:
+        """(rows, cols) of the tile sharing one scale; None for the whole tensor."""
+        return {"tensor": None, "row": (1, None), "column": (None, 1), "block": self.block,
+                "mx": (1, MX_BLOCK)}[self.granularity]
+
+    @property
+    def power_of_two(self) -> bool:
+        return self.pow2 or self.granularity == "mx"
+
+
+def group_amax(x: torch.Tensor, s: Scaling) -> torch.Tensor:
+    """amax of each scaling group of a 2-D tensor, shaped to broadcast against the *padded* tiles:
+    [] (tensor), [M, 1] (row), [1, K] (column), [ceil(M/r), ceil(K/c)] (block, mx)."""
+    a = x.detach().abs().float()
+    g = s.granularity
+    if g == "tensor":
+        return a.amax()
+    if g == "row":
+        return a.amax(dim=-1, keepdim=True)
+    if g == "column":
+        return a.amax(dim=0, keepdim=True)
+    r, c = s.group
+    M, K = a.shape
+    pad = (0, (-K) % c, 0, (-M) % r)
+    a = nn.functional.pad(a, pad)  # zeros do not change an amax
+    return a.view(a.shape[0] // r, r, a.shape[1] // c, c).amax(dim=(1, 3))
+
+
+def expand_groups(t: torch.Tensor, s: Scaling, shape: torch.Size) -> torch.Tensor:
+    """Broadcast per-group values (from group_amax's layout) to the full [M, K] shape."""
+    if s.granularity in ("tensor", "row", "column"):
+        return t.expand(shape)
+    r, c = s.group
+    full = t.repeat_interleave(r, dim=0).repeat_interleave(c, dim=1)
+    return full[: shape[0], : shape[1]]
+
+
+def scale_from_amax(amax: torch.Tensor, s: Scaling, fallback: torch.Tensor | float = 1.0) -> tuple[torch.Tensor,
+                                                                                                  torch.Tensor]:
+    """(scale, bad) where bad marks groups whose amax was 0, NaN or Inf and that kept `fallback`."""
+    fmt = s.format
+    bad = ~torch.isfinite(amax) | (amax <= 0)
+    safe = torch.where(bad, torch.ones_like(amax), amax)
+    scale = (fmt.max / safe) * 2.0 ** (-s.margin)
+    if s.power_of_two:
+        scale = torch.exp2(torch.floor(torch.log2(scale)))
+    # fp32 scale can overflow to inf for tiny amax (e.g. 1e-40): clamp into the finite range
+    scale = scale.clamp(max=torch.finfo(torch.float32).max)
+    fallback = torch.as_tensor(fallback, dtype=scale.dtype, device=scale.device)
+    return torch.where(bad, fallback, scale), bad
+
+
+class ScalingState(nn.Module):
+    """Per-operand state, in buffers so that state_dict() and checkpoints carry it.
+
+    scale        the scale used for the next cast (current: the last good one, the fallback for a bad amax)
+    amax_history most recent first (delayed)
+    updates      how many amaxes were recorded
+    skipped      how many bad amaxes (0, NaN, Inf) kept the previous scale
+    """
+
+    def __init__(self, s: Scaling):
+        super().__init__()
+        self.spec = s
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("amax_history", torch.zeros(s.history if s.strategy == "delayed" else 1))
+        self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
+        self.register_buffer("skipped", torch.zeros((), dtype=torch.int64))
+
+    def extra_repr(self) -> str:
+        s = self.spec
+        extra = f", history={s.history}, algo={s.algo}, interval={s.interval}" if s.strategy == "delayed" else ""
+        return f"{s.fmt}, {s.granularity}, {s.strategy}{extra}, margin={s.margin}"
+
+    @torch.no_grad()
+    def scales_for(self, x: torch.Tensor, update: bool) -> torch.Tensor:
+        """The scale(s) to cast `x` with, in group_amax's layout; records the amax when `update`."""
+        s = self.spec
+        amax = group_amax(x, s)
+        if s.strategy == "current":
+            if s.granularity == "tensor":
+                scale, bad = scale_from_amax(amax, s, fallback=self.scale)
+                if update:
+                    self.scale.copy_(scale)
+                    self.amax_history[0] = amax
+            else:
+                scale, bad = scale_from_amax(amax, s)
+            if update:
+                self.updates += 1
+                self.skipped += bad.sum()
+            return scale
+        # delayed: cast with the scale derived from past steps, then fold this amax into the history
+        scale = self.scale.clone()
+        if update:
+            self.record(amax)
+        return scale
+
+    @torch.no_grad()
+    def record(self, amax: torch.Tensor) -> None:
+        """Delayed scaling: push `amax` into the window (a bad one is counted and recorded as 0, which no
+        reduction picks), and every `interval` updates recompute the scale from the window."""
+        s = self.spec
+        bad = ~torch.isfinite(amax) | (amax <= 0)
+        self.skipped += bad.to(torch.int64)
+        self.amax_history.copy_(torch.roll(self.amax_history, 1))
+        self.amax_history[0] = torch.where(bad, torch.zeros_like(amax), amax)
+        self.updates += 1
+        # The history starts as zeros and amaxes are >= 0, so the max over the whole buffer is the max over
+        # what was recorded: no host sync to slice it.
+        reduced = self.amax_history.amax() if s.algo == "max" else self.amax_history[0]
+        new, _ = scale_from_amax(reduced, s, fallback=self.scale)
+        due = (self.updates % s.interval) == 0
+        self.scale.copy_(torch.where(due, new, self.scale))
