@@ -1,0 +1,140 @@
+"""Scaled GEMMs, the low-precision linear, recipes and convert(), and training under every recipe."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import cli, losses
+from lowbit.gemm import fast_path_reason, scaled_matmul
+from lowbit.linear import LowPrecisionLinear
+from lowbit.models.llama import Llama, ModelArgs
+from lowbit.qtensor import QTensor, quantize
+from lowbit.recipes import RECIPES, convert, get_recipe, with_filters
+from lowbit.scaling import Scaling
+from lowbit.tools.fidelity import linear_fidelity
+
+LOW = [name for name, r in RECIPES.items() if r.linear is not None]
+
+
+def emulate(a: QTensor, b: QTensor) -> torch.Tensor:
+    return a.dequantize() @ b.dequantize().t()
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row"])
+@pytest.mark.parametrize("fmts", [("e4m3", "e4m3"), ("e5m2", "e4m3")])
+def test_emulation_equals_torch_scaled_mm_on_cpu(gran, fmts):
+    torch.manual_seed(0)
+    a = quantize(torch.randn(96, 256) * 3, Scaling(fmts[0], gran))
+    b = quantize(torch.randn(80, 256) * 0.02, Scaling(fmts[1], gran))
+    assert fast_path_reason(a, b, torch.float32) is None
+    fast = scaled_matmul(a, b)  # torch._scaled_mm
+    ref = emulate(a, b)
+    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_non_multiple_of_16_falls_back_and_says_why():
+    a = quantize(torch.randn(8, 40), Scaling("e4m3"))
+    b = quantize(torch.randn(24, 40), Scaling("e4m3"))
+    reason = fast_path_reason(a, b, torch.float32)
+    assert "K=40" in reason and "multiples of 16" in reason
+    torch.testing.assert_close(scaled_matmul(a, b), emulate(a, b))
+    blocks = quantize(torch.randn(8, 256), Scaling("e4m3", "block", (1, 128)))
+    assert "block" in fast_path_reason(blocks, quantize(torch.randn(16, 256), Scaling("e4m3")), torch.float32)
+
+
+@pytest.mark.parametrize("recipe", LOW)
+def test_fp8_linear_matches_high_precision(recipe):
+    fid = linear_fidelity(recipe)
+    assert min(fid.values()) >= 0.99, fid
+
+
+def test_quantized_input_is_what_backward_keeps():
+    layer = LowPrecisionLinear.from_linear(nn.Linear(256, 512, bias=False), get_recipe("fp8-tensorwise").linear)
+    x = torch.randn(4, 64, 256, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = layer(x)
+    activations = [t for t in saved if t.numel() == x.numel()]
+    assert activations and all(t.dtype == torch.float8_e4m3fn for t in activations)
+    assert not [t for t in saved if t.dtype == torch.float32 and t.numel() >= x.numel() and t is not layer.weight]
+    y.sum().backward()
+    assert x.grad.shape == x.shape and layer.weight.grad.shape == layer.weight.shape
+
+
+def test_nan_and_inf_inputs():
+    """Defined behaviour: Inf saturates to ±max and its amax keeps the previous scale (counted); NaN propagates to
+    the output, where the trainer's non-finite check stops the run."""
+    layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
+    layer(torch.randn(8, 64))
+    x = torch.randn(8, 64)
+    x[0, 0] = math.inf
+    y = layer(x)
+    assert torch.isfinite(y).all() and layer.scaling["input"].skipped.item() == 1
+    x[0, 0] = math.nan
+    y = layer(x)
+    assert torch.isnan(y[0]).all() and torch.isfinite(y[1:]).all()
+
+
+def test_convert_filters_and_keeps_parameters():
+    args = ModelArgs(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256, max_seq_len=32)
+    model = Llama(args)
+    names = {n for n, _ in model.named_parameters()}
+    report = convert(model, with_filters(get_recipe("fp8-tensorwise"), keep_first_last=True))
+    assert {n for n, _ in model.named_parameters()} == names  # same parameters, same names
+    assert all(n.startswith("layers.1.") for n in report["converted"]) and len(report["converted"]) == 7
+    assert "output (output head)" in report["kept"]
+    model = Llama(args)
+    report = convert(model, with_filters(get_recipe("fp8-tensorwise"), min_dim=64))  # wk, wv are 64 -> 32
+    assert sorted(report["converted"]) == sorted(f"layers.{i}.{w}" for i in range(3) for w in (
+        "attention.wq", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"))
+    assert "layers.0.attention.wk (smaller than min_dim 64)" in report["kept"]
+    model = Llama(args)
+    report = convert(model, with_filters(get_recipe("mxfp8"), keep_lm_head=False))
+    assert "output" in report["converted"] and isinstance(model.output, LowPrecisionLinear)
+    assert convert(Llama(args), get_recipe("bf16")) == {"converted": [], "kept": []}
+
+
+def test_checkpointing_replay_does_not_record_twice():
+    args = ModelArgs(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=256, max_seq_len=32,
+                     checkpointing="full")
+    model = Llama(args)
+    convert(model, get_recipe("fp8-delayed"))
+    x = torch.randint(0, 256, (2, 16))
+    model(x, x).backward()
+    state = model.layers[0].attention.wq.scaling
+    assert state["input"].updates.item() == 1 and state["grad_output"].updates.item() == 1
+
+
+def test_recipes_command_lists_every_recipe(capsys):
+    code, out, _ = cli(capsys, "recipes")
+    assert code == 0 and all(name in out for name in RECIPES)
+
+
+@pytest.fixture(scope="module")
+def recipe_runs(tmp_path_factory):
+    """The tiny preset, 200 steps, under every recipe (shorter windows than the default job so that eight runs
+    fit in the test budget)."""
+    from lowbit.cli import main
+
+    root = tmp_path_factory.mktemp("recipes")
+    common = ["--train.steps", "200", "--data.seq_len", "64", "--train.batch_size", "8", "--train.eval_every", "0",
+              "--train.eval_batches", "16", "--run.plot", "false", "--numerics.telemetry_every", "100"]
+    for name in RECIPES:
+        assert main(["train", *common, "--recipe", name, "--run.dir", str(root / name)]) == 0
+    return root
+
+
+@pytest.mark.parametrize("recipe", LOW)
+def test_every_recipe_trains_within_2_percent_of_bf16(recipe_runs, recipe):
+    base, run = losses(recipe_runs / "bf16", "val_loss")[200], losses(recipe_runs / recipe, "val_loss")[200]
+    assert abs(run - base) / base <= 0.02, (recipe, run, base)
+
+
+def test_inspect_reads_telemetry(recipe_runs, capsys, tmp_path):
+    code, out, _ = cli(capsys, "inspect", recipe_runs / "fp8-delayed", "--out", tmp_path)
+    assert code == 0 and "worst quantization SNR" in out
+    assert (tmp_path / "numerics_snr_db.png").stat().st_size > 1000
+    code, _, err = cli(capsys, "inspect", recipe_runs / "bf16")
+    assert code == 2 and "no numerics telemetry" in err

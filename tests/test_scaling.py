@@ -1,0 +1,126 @@
+"""Scaling: granularities, current and delayed strategies (hand-made amax sequences), margin, power-of-two,
+bad amaxes, and the state in buffers."""
+
+import math
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.linear import LinearRecipe, LowPrecisionLinear
+from lowbit.qtensor import quantize
+from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+
+E4M3_MAX = 448.0
+
+
+def run_sequence(spec: Scaling, amaxes: list[float]) -> list[float]:
+    """The scale each step's cast used, feeding tensors whose amax is the given value."""
+    state = ScalingState(spec)
+    used = []
+    for a in amaxes:
+        used.append(state.scales_for(torch.tensor([a, -a / 2]), update=True).item())
+    return used
+
+
+def test_current_scaling_uses_this_tensors_amax():
+    assert run_sequence(Scaling("e4m3"), [2.0, 8.0, 0.5]) == [224.0, 56.0, 896.0]
+
+
+def test_delayed_rolling_window_max():
+    # TransformerEngine semantics: step t casts with the scale from the window of steps < t; initial scale 1.
+    spec = Scaling("e4m3", strategy="delayed", history=3, algo="max")
+    used = run_sequence(spec, [2.0, 8.0, 1.0, 1.0, 1.0, 4.0])
+    want = [1.0, E4M3_MAX / 2, E4M3_MAX / 8, E4M3_MAX / 8, E4M3_MAX / 8, E4M3_MAX / 1]
+    assert used == pytest.approx(want)  # the 8.0 leaves the window of 3 after three more steps
+
+
+def test_delayed_most_recent():
+    spec = Scaling("e4m3", strategy="delayed", history=16, algo="most_recent")
+    assert run_sequence(spec, [2.0, 8.0, 1.0, 4.0]) == pytest.approx([1.0, 224.0, 56.0, 448.0])
+
+
+def test_delayed_interval_recomputes_every_n_steps():
+    # nanotron semantics: the amax is recorded every step, the scale recomputed once every `interval` updates
+    spec = Scaling("e4m3", strategy="delayed", history=16, algo="max", interval=3)
+    used = run_sequence(spec, [2.0, 8.0, 4.0, 1.0, 1.0, 1.0, 1.0])
+    # updates 1, 2: no recompute; update 3: max(2, 8, 4) = 8; update 6: max over the window (still 8)
+    assert used == pytest.approx([1.0, 1.0, 1.0, 56.0, 56.0, 56.0, 56.0])
+    spec = Scaling("e4m3", strategy="delayed", history=2, algo="max", interval=3)
+    used = run_sequence(spec, [2.0, 8.0, 4.0, 1.0, 1.0, 1.0, 1.0])
+    assert used == pytest.approx([1.0, 1.0, 1.0, 56.0, 56.0, 56.0, 448.0])  # window of 2 at update 6: (1, 1)
+
+
+def test_margin_and_power_of_two():
+    amax = torch.tensor(3.0)
+    plain, _ = scale_from_amax(amax, Scaling("e4m3"))
+    assert plain.item() == pytest.approx(E4M3_MAX / 3)
+    assert scale_from_amax(amax, Scaling("e4m3", margin=2))[0].item() == pytest.approx(E4M3_MAX / 3 / 4)
+    p2 = scale_from_amax(amax, Scaling("e4m3", pow2=True))[0].item()
+    assert p2 == 128.0  # 2^floor(log2(149.33))
+    assert scale_from_amax(amax, Scaling("e4m3", pow2=True, margin=1))[0].item() == 64.0
+    assert scale_from_amax(amax, Scaling("e4m3", "mx"))[0].item() == 128.0  # MX scales are always powers of two
+
+
+@pytest.mark.parametrize("bad", [0.0, math.nan, math.inf])
+def test_bad_amax_keeps_previous_scale_and_is_counted(bad):
+    for spec in (Scaling("e4m3"), Scaling("e4m3", strategy="delayed", history=4)):
+        state = ScalingState(spec)
+        state.scales_for(torch.tensor([2.0]), update=True)
+        if spec.strategy == "delayed":
+            state.scales_for(torch.tensor([2.0]), update=True)
+        before = state.scale.item()
+        used = state.scales_for(torch.tensor([bad]), update=True).item()
+        assert state.scale.item() == before and state.skipped.item() == 1
+        assert used == before  # current: the bad tensor is cast with the previous scale
+
+
+def test_granularity_shapes_and_padding():
+    x = torch.arange(1, 5 * 300 + 1, dtype=torch.float32).view(5, 300)
+    assert group_amax(x, Scaling("e4m3")).shape == ()
+    assert group_amax(x, Scaling("e4m3", "row")).shape == (5, 1)
+    assert group_amax(x, Scaling("e4m3", "column")).shape == (1, 300)
+    blocks = group_amax(x, Scaling("e4m3", "block", (2, 128)))
+    assert blocks.shape == (3, 3)  # 5 rows -> 3 tiles of 2, 300 cols -> 3 tiles of 128 (zero padded)
+    assert blocks[2, 2].item() == x[4, 256:].max().item()
+    mx = group_amax(x, Scaling("e4m3", "mx"))
+    assert mx.shape == (5, 10)
+    assert expand_groups(blocks, Scaling("e4m3", "block", (2, 128)), x.shape).shape == x.shape
+
+
+def test_mx_scales_are_e8m0_exact():
+    torch.manual_seed(0)
+    x = torch.randn(16, 256) * torch.logspace(-3, 3, 256)
+    q = quantize(x, Scaling("e4m3", "mx"))
+    assert torch.equal(torch.exp2(torch.log2(q.scale_inv).round()), q.scale_inv)
+    rel = ((q.dequantize() - x).abs() / x.abs()).max().item()
+    assert rel <= 2 ** -4 + 1e-6  # E4M3: half an ulp of 3 mantissa bits; no block underflows
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(fmt="e8m0"), "e8m0"),
+    (dict(fmt="e9m9"), "e9m9"),
+    (dict(granularity="diagonal"), "granularity"),
+    (dict(granularity="row", strategy="delayed"), "delayed scaling needs tensor"),
+    (dict(strategy="sometimes"), "strategy"),
+    (dict(strategy="delayed", algo="median"), "algo"),
+    (dict(granularity="block", block=(0, 128)), "block"),
+])
+def test_impossible_combinations_are_errors(kw, match):
+    with pytest.raises(LowbitError, match=match):
+        Scaling(**kw)
+
+
+def test_state_survives_state_dict_round_trip():
+    recipe = LinearRecipe(Scaling("e4m3", strategy="delayed", history=8), Scaling("e4m3"),
+                          Scaling("e5m2", strategy="delayed", history=8))
+    a = LowPrecisionLinear(64, 32, recipe=recipe)
+    for _ in range(3):
+        a(torch.randn(4, 64)).sum().backward()
+    sd = a.state_dict()
+    assert {"scaling.input.amax_history", "scaling.grad_output.scale", "scaling.weight.skipped"} <= set(sd)
+    b = LowPrecisionLinear(64, 32, recipe=recipe)
+    b.load_state_dict(sd)
+    for k, v in sd.items():
+        assert torch.equal(b.state_dict()[k], v)
+    assert b.scaling["input"].updates.item() == 3
