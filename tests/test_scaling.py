@@ -28,27 +28,28 @@ def test_current_scaling_uses_this_tensors_amax():
 
 
 def test_delayed_rolling_window_max():
-    # TransformerEngine semantics: step t casts with the scale from the window of steps < t; initial scale 1.
+    # TransformerEngine semantics: step t casts with the scale from the window of steps < t; the first step,
+    # with no history, with its own amax.
     spec = Scaling("e4m3", strategy="delayed", history=3, algo="max")
     used = run_sequence(spec, [2.0, 8.0, 1.0, 1.0, 1.0, 4.0])
-    want = [1.0, E4M3_MAX / 2, E4M3_MAX / 8, E4M3_MAX / 8, E4M3_MAX / 8, E4M3_MAX / 1]
+    want = [E4M3_MAX / 2, E4M3_MAX / 2, E4M3_MAX / 8, E4M3_MAX / 8, E4M3_MAX / 8, E4M3_MAX / 1]
     assert used == pytest.approx(want)  # the 8.0 leaves the window of 3 after three more steps
 
 
 def test_delayed_most_recent():
     spec = Scaling("e4m3", strategy="delayed", history=16, algo="most_recent")
-    assert run_sequence(spec, [2.0, 8.0, 1.0, 4.0]) == pytest.approx([1.0, 224.0, 56.0, 448.0])
+    assert run_sequence(spec, [2.0, 8.0, 1.0, 4.0]) == pytest.approx([224.0, 224.0, 56.0, 448.0])
 
 
 def test_delayed_interval_recomputes_every_n_steps():
     # nanotron semantics: the amax is recorded every step, the scale recomputed once every `interval` updates
     spec = Scaling("e4m3", strategy="delayed", history=16, algo="max", interval=3)
     used = run_sequence(spec, [2.0, 8.0, 4.0, 1.0, 1.0, 1.0, 1.0])
-    # updates 1, 2: no recompute; update 3: max(2, 8, 4) = 8; update 6: max over the window (still 8)
-    assert used == pytest.approx([1.0, 1.0, 1.0, 56.0, 56.0, 56.0, 56.0])
+    # first cast: its own amax; update 1 sets a scale (2), update 2 does not; update 3: max(2, 8, 4) = 8
+    assert used == pytest.approx([224.0, 224.0, 224.0, 56.0, 56.0, 56.0, 56.0])
     spec = Scaling("e4m3", strategy="delayed", history=2, algo="max", interval=3)
     used = run_sequence(spec, [2.0, 8.0, 4.0, 1.0, 1.0, 1.0, 1.0])
-    assert used == pytest.approx([1.0, 1.0, 1.0, 56.0, 56.0, 56.0, 448.0])  # window of 2 at update 6: (1, 1)
+    assert used == pytest.approx([224.0, 224.0, 224.0, 56.0, 56.0, 56.0, 448.0])  # window of 2 at 6: (1, 1)
 
 
 def test_margin_and_power_of_two():

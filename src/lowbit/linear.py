@@ -21,7 +21,7 @@ from torch import nn
 
 from lowbit.gemm import scaled_matmul
 from lowbit.qtensor import QTensor, quantize
-from lowbit.scaling import Scaling, ScalingState, expand_groups
+from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
 
 OPERANDS = ("input", "weight", "grad_output")
 
@@ -38,7 +38,9 @@ class LinearRecipe:
 
 def _in_backward() -> bool:
     """True while autograd runs a backward pass: a forward replayed by activation checkpointing then must not
-    record its amaxes a second time."""
+    record its amaxes a second time. (Under torch.compile the check is skipped: it would break the graph.)"""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -64,35 +66,45 @@ def _stats(x: torch.Tensor, q: QTensor) -> dict[str, float]:
 
 
 class _LowPrecisionMatmul(torch.autograd.Function):
+    """The three GEMMs. The input and weight scales arrive computed (their state is updated outside, where
+    torch.compile allows it); the output-gradient scale is chosen in backward, through `go_state` when it must
+    be recorded there (delayed scaling, or eager bookkeeping) and purely from `dy` otherwise."""
+
     @staticmethod
-    def forward(ctx, x, weight, layer: LowPrecisionLinear, update: bool):
-        r = layer.recipe
+    def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_state, go_fallback, update: bool,
+                telemetry_layer):
+        r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1])
         with torch.autocast(x.device.type, enabled=False):
-            qx = quantize(x2, r.input, layer.scaling["input"], update)
-            qw = quantize(weight, r.weight, layer.scaling["weight"], update)
+            qx = quantize(x2, r.input, scale=scale_x)
+            qw = quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype)
-        if layer.telemetry_armed:
-            layer.telemetry["input"] = _stats(x2, qx)
-            layer.telemetry["weight"] = _stats(weight, qw)
-        ctx.save_for_backward(qx.data, qx.scale_inv, weight)
+        if telemetry_layer is not None:
+            telemetry_layer.telemetry["input"] = _stats(x2, qx)
+            telemetry_layer.telemetry["weight"] = _stats(weight, qw)
+        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_fallback)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
-        ctx.layer, ctx.update, ctx.x_shape, ctx.x_dtype = layer, update, x.shape, x.dtype
+        ctx.recipe, ctx.go_state, ctx.update, ctx.telemetry_layer = r, go_state, update, telemetry_layer
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        qx_data, qx_scale_inv, weight = ctx.saved_tensors
-        layer = ctx.layer
-        r = layer.recipe
+        qx_data, qx_scale_inv, weight, go_fallback = ctx.saved_tensors
+        r = ctx.recipe
         qx = QTensor(qx_data, qx_scale_inv, r.input)
         dy2 = dy.reshape(-1, dy.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
-            qdy = quantize(dy2, r.grad_output, layer.scaling["grad_output"], ctx.update)
-            if layer.telemetry_armed:
-                layer.telemetry["grad_output"] = _stats(dy2, qdy)
+            if ctx.go_state is not None:
+                qdy = quantize(dy2, r.grad_output, ctx.go_state, ctx.update)
+            else:
+                amax_scale, _ = scale_from_amax(group_amax(dy2, r.grad_output), r.grad_output,
+                                                fallback=go_fallback if r.grad_output.granularity == "tensor" else 1.0)
+                qdy = quantize(dy2, r.grad_output, scale=amax_scale)
+            if ctx.telemetry_layer is not None:
+                ctx.telemetry_layer.telemetry["grad_output"] = _stats(dy2, qdy)
             # dgrad: dy [M, N] @ (Wᵀ [K, N])ᵀ
             wt = ctx.qw.t() if r.weight.granularity == "tensor" else quantize(weight.t(), r.weight)
             dx = scaled_matmul(qdy, wt, ctx.x_dtype)
@@ -103,7 +115,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dyt = qdy.t() if r.grad_output.granularity == "tensor" else quantize(dy2.t(), r.grad_output)
                 xt = qx.t() if r.input.granularity == "tensor" else quantize(qx.dequantize().t(), r.input)
                 dw = scaled_matmul(dyt, xt, weight.dtype)
-        return dx.reshape(ctx.x_shape), dw, None, None
+        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, None, None
 
 
 class LowPrecisionLinear(nn.Linear):
@@ -131,7 +143,15 @@ class LowPrecisionLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         update = self.training and torch.is_grad_enabled() and not _in_backward()
-        y = _LowPrecisionMatmul.apply(x, self.weight, self, update)
+        r, st = self.recipe, self.scaling
+        scale_x = st["input"].scales_for(x.reshape(-1, x.shape[-1]), update)
+        scale_w = st["weight"].scales_for(self.weight, update)
+        # Backward records into the output-gradient state when it must (delayed) or when it costs nothing (eager);
+        # under torch.compile, current scaling stays free of side effects so the GEMMs compile without a break.
+        keep_state = r.grad_output.strategy == "delayed" or not torch.compiler.is_compiling()
+        go = st["grad_output"]
+        y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go if keep_state else None, go.scale,
+                                      update, self if self.telemetry_armed else None)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -46,11 +46,10 @@ def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = Fa
     return q.to(fmt.torch_dtype) if fmt.torch_dtype is not None else q
 
 
-def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, update: bool = False) -> QTensor:
-    """Quantize a 2-D tensor (last dimension = the GEMM's reduction dimension). With a `state`, its strategy
-    picks the scale (and records this amax when `update`); without one, current scaling."""
-    if state is not None:
-        scale = state.scales_for(x, update)
-    else:
-        scale, _ = scale_from_amax(group_amax(x, s), s)
+def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, update: bool = False,
+             scale: torch.Tensor | None = None) -> QTensor:
+    """Quantize a 2-D tensor (last dimension = the GEMM's reduction dimension) with `scale` if given, else with
+    the scale its `state`'s strategy picks (recording this amax when `update`), else by current scaling."""
+    if scale is None:
+        scale = state.scales_for(x, update) if state is not None else scale_from_amax(group_amax(x, s), s)[0]
     return QTensor(cast(x, scale, s), scale.reciprocal(), s)

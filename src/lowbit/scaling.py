@@ -12,7 +12,8 @@ Every operand is seen as a 2-D matrix whose last dimension is the GEMM's reducti
 
 Strategies: `current` uses the amax of the tensor being cast; `delayed` uses an amax history of past steps
 (tensor granularity only): TransformerEngine's rolling window (`interval=1`: the scale is recomputed every step
-from the window) and nanotron's interval semantics (`interval=N`: recomputed once every N steps).
+from the window) and nanotron's interval semantics (`interval=N`: recomputed once every N steps). The first cast,
+with no history yet, uses its own amax.
 
 scale = 2^-margin * fmt.max / amax, optionally rounded down to a power of two; `q = cast(x * scale)`.
 An amax that is 0, NaN or Inf keeps the previous scale (1 where there is none) and is counted.
@@ -161,8 +162,11 @@ class ScalingState(nn.Module):
                 self.updates += 1
                 self.skipped += bad.sum()
             return scale
-        # delayed: cast with the scale derived from past steps, then fold this amax into the history
-        scale = self.scale.clone()
+        # delayed: cast with the scale derived from past steps, then fold this amax into the history. With no
+        # history yet (the first step), cast with the current amax instead of TransformerEngine's initial scale
+        # of 1, which flushes nearly every gradient of the first step to zero.
+        current, _ = scale_from_amax(amax, s, fallback=self.scale)
+        scale = torch.where(self.updates == 0, current, self.scale)
         if update:
             self.record(amax)
         return scale
@@ -181,5 +185,5 @@ class ScalingState(nn.Module):
         # what was recorded: no host sync to slice it.
         reduced = self.amax_history.amax() if s.algo == "max" else self.amax_history[0]
         new, _ = scale_from_amax(reduced, s, fallback=self.scale)
-        due = (self.updates % s.interval) == 0
+        due = ((self.updates % s.interval) == 0) | (self.updates == 1)  # the first update always sets a scale
         self.scale.copy_(torch.where(due, new, self.scale))
