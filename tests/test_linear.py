@@ -28,7 +28,10 @@ def test_emulation_equals_torch_scaled_mm_on_cpu(gran, fmts):
     torch.manual_seed(0)
     a = quantize(torch.randn(96, 256) * 3, Scaling(fmts[0], gran))
     b = quantize(torch.randn(80, 256) * 0.02, Scaling(fmts[1], gran))
-    assert fast_path_reason(a, b, torch.float32) is None
+    reason = fast_path_reason(a, b, torch.float32)
+    if reason is not None:  # torch 2.11's CPU _scaled_mm has no rowwise: then there is nothing to compare with
+        assert gran == "row" and "tensorwise only" in reason
+        pytest.skip(reason)
     fast = scaled_matmul(a, b)  # torch._scaled_mm
     ref = emulate(a, b)
     torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())

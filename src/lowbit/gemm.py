@@ -7,6 +7,7 @@ scales (MX, `pow2=True`) the dequantized operands are exact and so is the emulat
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -43,7 +44,20 @@ def fast_path_reason(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> str | No
             return "rowwise needs E4M3 x E4M3 with a bf16 output"
     elif dev.type != "cpu":
         return f"device {dev.type}"
+    elif "row" in (ga, gb) and not _cpu_rowwise_supported():
+        return "this torch's CPU _scaled_mm is tensorwise only"
     return None
+
+
+@functools.cache
+def _cpu_rowwise_supported() -> bool:
+    """Whether this torch's CPU `_scaled_mm` takes rowwise scales (2.13 does; 2.11 asserts): asked once."""
+    a = torch.ones(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.float32)
+        return True
+    except RuntimeError:
+        return False
 
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

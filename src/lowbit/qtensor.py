@@ -38,7 +38,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = Fa
          generator: torch.Generator | None = None) -> torch.Tensor:
     """x * scale onto the format's grid: round to nearest even (or stochastically), saturating at ±max."""
     fmt = s.format
-    y = x.float() * expand_groups(scale, s, x.shape)
+    # Row-major data whatever the layout of x (a transposed view in backward): `_scaled_mm` needs it so.
+    y = (x.float() * expand_groups(scale, s, x.shape)).contiguous()
     if fmt.torch_dtype is not None and not stochastic:
         # torch's float8 casts round to nearest even; clamping first makes them saturate (NaN stays NaN)
         return y.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
