@@ -141,3 +141,21 @@ def test_inspect_reads_telemetry(recipe_runs, capsys, tmp_path):
     assert (tmp_path / "numerics_snr_db.png").stat().st_size > 1000
     code, _, err = cli(capsys, "inspect", recipe_runs / "bf16")
     assert code == 2 and "no numerics telemetry" in err
+
+
+def test_resume_with_delayed_scaling_is_bit_exact(tmp_path, capsys):
+    from conftest import SMALL
+
+    full, part = tmp_path / "full", tmp_path / "part"
+    args = [*SMALL, "--recipe", "fp8-delayed", "--train.steps", "8", "--numerics.telemetry_every", "4"]
+    assert cli(capsys, "train", *args, "--run.dir", full)[0] == 0
+    assert cli(capsys, "train", *args, "--train.stop_at", "4", "--run.dir", part)[0] == 0
+    assert cli(capsys, "train", *args, "--run.dir", part, "--run.resume")[0] == 0
+    assert losses(part) == losses(full)
+    from safetensors.torch import load_file
+
+    from lowbit.train import checkpoint as ckpt
+
+    state = load_file(str(ckpt.list_checkpoints(part)[-1] / "model.safetensors"))
+    assert state["layers.0.attention.wq.scaling.input.updates"].item() == 8
+    assert state["layers.0.attention.wq.scaling.grad_output.amax_history"].shape == (1024,)
