@@ -30,3 +30,34 @@ def test_compiled_bf16_matches_eager_loss():
         eager = model(x, x).item()
         compiled = torch.compile(model)(x, x).item()
     assert abs(eager - compiled) < 2e-2
+
+
+@pytest.mark.parametrize("gran", ["tensor", "row"])
+def test_fp8_tensor_cores_match_emulation(gran):
+    from lowbit.gemm import fast_path_reason, scaled_matmul
+    from lowbit.qtensor import quantize
+    from lowbit.scaling import Scaling
+
+    torch.manual_seed(0)
+    a = quantize(torch.randn(256, 512, device="cuda") * 3, Scaling("e4m3", gran))
+    b = quantize(torch.randn(384, 512, device="cuda") * 0.02, Scaling("e4m3", gran))
+    assert fast_path_reason(a, b, torch.bfloat16) is None
+    fast = scaled_matmul(a, b, torch.bfloat16).float()
+    ref = a.dequantize() @ b.dequantize().t()
+    torch.testing.assert_close(fast, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_every_recipe_runs_compiled_on_gpu():
+    from lowbit.recipes import RECIPES, convert
+
+    for name, recipe in RECIPES.items():
+        torch.manual_seed(0)
+        args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=512, max_seq_len=128)
+        model = Llama(args).cuda()
+        convert(model, recipe)
+        x = torch.randint(0, 512, (4, 128), device="cuda")
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = torch.compile(model)(x, x)
+        loss.backward()
+        assert torch.isfinite(loss), name
+        torch._dynamo.reset()

@@ -159,3 +159,17 @@ def test_resume_with_delayed_scaling_is_bit_exact(tmp_path, capsys):
     state = load_file(str(ckpt.list_checkpoints(part)[-1] / "model.safetensors"))
     assert state["layers.0.attention.wq.scaling.input.updates"].item() == 8
     assert state["layers.0.attention.wq.scaling.grad_output.amax_history"].shape == (1024,)
+
+
+def test_fast_accumulation_only_in_fprop(monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
+    layer(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    assert calls == [True, False, False]  # fprop, dgrad, wgrad

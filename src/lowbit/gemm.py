@@ -68,15 +68,18 @@ def _rowwise(q: QTensor, rows: int) -> torch.Tensor:
     return s.reshape(1, 1).expand(rows, 1).contiguous() if q.spec.granularity == "tensor" else s.reshape(rows, 1)
 
 
-def scaled_matmul(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """a [M, K] @ b [N, K]ᵀ -> [M, N] in `out_dtype`, fp32 accumulation."""
+def scaled_matmul(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32,
+                  fast_accum: bool = False) -> torch.Tensor:
+    """a [M, K] @ b [N, K]ᵀ -> [M, N] in `out_dtype`, fp32 accumulation. `fast_accum` lets Hopper's FP8 tensor
+    cores skip the periodic promotion of partial sums (faster, less accurate; ignored by the emulation)."""
     reason = fast_path_reason(a, b, out_dtype)
     if reason is None:
         if a.spec.granularity == b.spec.granularity == "tensor":
             sa, sb = a.scale_inv.float().reshape(()), b.scale_inv.float().reshape(())
         else:
             sa, sb = _rowwise(a, a.shape[0]), _rowwise(b, b.shape[0]).reshape(1, -1)
-        return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
+                                use_fast_accum=fast_accum)
     if a.data.device.type == "cuda":
         _warn_once((a.shape, b.shape, reason), f"scaled GEMM {tuple(a.shape)} x {tuple(b.shape)}ᵀ emulated: {reason}")
     with torch.autocast(a.data.device.type, enabled=False):

@@ -34,6 +34,7 @@ class LinearRecipe:
     weight: Scaling = Scaling("e4m3")
     grad_output: Scaling = Scaling("e5m2")
     wgrad_hp: bool = False  # compute dW = dyᵀ·x in the autocast dtype instead of low precision
+    fast_accum_fprop: bool = True  # fprop on GPU with fast FP8 accumulation (as torchao); dgrad/wgrad never
 
 
 def _in_backward() -> bool:
@@ -79,7 +80,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             qx = quantize(x2, r.input, scale=scale_x)
             qw = quantize(weight, r.weight, scale=scale_w)
-            y = scaled_matmul(qx, qw, out_dtype)
+            y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
         if telemetry_layer is not None:
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
