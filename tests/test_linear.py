@@ -118,11 +118,13 @@ def test_recipes_command_lists_every_recipe(capsys):
 @pytest.fixture(scope="module")
 def recipe_runs(tmp_path_factory):
     """The tiny preset, 200 steps, under every recipe (shorter windows than the default job so that eight runs
-    fit in the test budget)."""
+    fit in the test budget; learning rate 1e-3, where runs are not chaotic: at 3e-3, fp8-tensorwise ended 0.1%
+    from bf16 with one seed and 2.5% with another, noise that would drown what the test looks for)."""
     from lowbit.cli import main
 
     root = tmp_path_factory.mktemp("recipes")
-    common = ["--train.steps", "200", "--data.seq_len", "64", "--train.batch_size", "8", "--train.eval_every", "0",
+    common = ["--train.steps", "200", "--data.seq_len", "64", "--train.batch_size", "8", "--train.lr", "1e-3",
+              "--train.eval_every", "0",
               "--train.eval_batches", "16", "--run.plot", "false", "--numerics.telemetry_every", "100"]
     for name in RECIPES:
         assert main(["train", *common, "--recipe", name, "--run.dir", str(root / name)]) == 0

@@ -63,7 +63,7 @@ class TrainConfig:
     stop_at: int = opt(0, "stop (with a checkpoint) after this step, keeping the schedule of train.steps; 0: off")
     batch_size: int = opt(16, "global batch in sequences per optimizer step, whatever the number of processes")
     micro_batch_size: int = opt(0, "sequences per forward/backward; gradient accumulation covers the rest; 0: all")
-    lr: float = opt(3e-3, "peak learning rate")
+    lr: float = opt(1e-3, "peak learning rate")
     min_lr_ratio: float = opt(0.1, "final learning rate as a fraction of the peak")
     warmup_steps: int = opt(25, "linear warm-up steps (from lr/warmup_steps)")
     weight_decay: float = opt(0.1, "AdamW weight decay, applied to tensors of 2+ dims only")
