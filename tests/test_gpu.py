@@ -61,3 +61,12 @@ def test_every_recipe_runs_compiled_on_gpu():
         loss.backward()
         assert torch.isfinite(loss), name
         torch._dynamo.reset()
+
+
+def test_compiled_training_with_telemetry(tmp_path, capsys):
+    from conftest import SMALL, cli, read_metrics
+
+    code, out, err = cli(capsys, "train", *SMALL, "--recipe", "fp8-tensorwise", "--train.compile", "true",
+                         "--train.steps", "4", "--numerics.telemetry_every", "2", "--run.dir", tmp_path / "run")
+    assert code == 0, err
+    assert len([r for r in read_metrics(tmp_path / "run") if "numerics" in r]) == 3  # steps 1, 2, 4

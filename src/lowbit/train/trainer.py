@@ -234,11 +234,16 @@ def train(cfg: Config) -> dict:
             for layer in lp_layers.values():
                 layer.telemetry_armed = bool(telemetry)
             loss_sum = torch.zeros((), device=device)
+            # Telemetry steps run the eager model: its statistics are host-side Python, which torch.compile
+            # would have to break the graph for (same numerics either way).
+            forward = model if telemetry else step_fn
             for xm, ym in zip(x.split(micro), y.split(micro)):
                 with autocast():
-                    loss = step_fn(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
+                    loss = forward(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
                 (loss / n_micro).backward()
                 loss_sum += loss.detach()
+            for layer in lp_layers.values():
+                layer.telemetry_armed = False
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
             loss_value = loss_sum.item() / n_micro
             if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
