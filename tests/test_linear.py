@@ -123,7 +123,7 @@ def recipe_runs(tmp_path_factory):
     from lowbit.cli import main
 
     root = tmp_path_factory.mktemp("recipes")
-    common = ["--train.steps", "200", "--data.seq_len", "64", "--train.batch_size", "8", "--train.lr", "1e-3",
+    common = ["--train.steps", "200", "--data.seq_len", "32", "--train.batch_size", "8", "--train.lr", "1e-3",
               "--train.eval_every", "0",
               "--train.eval_batches", "16", "--run.plot", "false", "--numerics.telemetry_every", "100"]
     for name in RECIPES:
@@ -175,3 +175,22 @@ def test_fast_accumulation_only_in_fprop(monkeypatch):
     layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
     layer(torch.randn(16, 64, requires_grad=True)).sum().backward()
     assert calls == [True, False, False]  # fprop, dgrad, wgrad
+
+
+def test_wgrad_in_high_precision():
+    from dataclasses import replace
+
+    torch.manual_seed(0)
+    x, w = torch.randn(64, 128), torch.randn(96, 128) * 0.02
+    dy = torch.randn(64, 96) * 1e-3
+    grads = {}
+    for hp in (False, True):
+        base = nn.Linear(128, 96, bias=False)
+        base.weight.data.copy_(w)
+        layer = LowPrecisionLinear.from_linear(base, replace(get_recipe("fp8-rowwise").linear, wgrad_hp=True)
+                                               if hp else get_recipe("fp8-rowwise").linear)
+        layer(x).backward(dy)
+        grads[hp] = layer.weight.grad
+    exact = dy.t() @ x  # dyᵀ·x in fp32
+    err = {hp: (g - exact).norm().item() / exact.norm().item() for hp, g in grads.items()}
+    assert err[True] < err[False]  # only the input's FP8 rounding is left

@@ -104,7 +104,8 @@ def expand_groups(t: torch.Tensor, s: Scaling, shape: torch.Size) -> torch.Tenso
     if s.granularity in ("tensor", "row", "column"):
         return t.expand(shape)
     r, c = s.group
-    full = t.repeat_interleave(r, dim=0).repeat_interleave(c, dim=1)
+    gm, gk = t.shape
+    full = t[:, None, :, None].expand(gm, r, gk, c).reshape(gm * r, gk * c)  # one copy, no repeat_interleave
     return full[: shape[0], : shape[1]]
 
 
