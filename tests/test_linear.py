@@ -123,7 +123,7 @@ def recipe_runs(tmp_path_factory):
     from lowbit.cli import main
 
     root = tmp_path_factory.mktemp("recipes")
-    common = ["--train.steps", "200", "--data.seq_len", "32", "--train.batch_size", "8", "--train.lr", "1e-3",
+    common = ["--train.steps", "200", "--data.seq_len", "64", "--train.batch_size", "8", "--train.lr", "1e-3",
               "--train.eval_every", "0",
               "--train.eval_batches", "16", "--run.plot", "false", "--numerics.telemetry_every", "100"]
     for name in RECIPES:
