@@ -175,3 +175,36 @@ def test_generate_and_export_bad_input(capsys, tmp_path):
     assert_user_error(capsys, ["export-hf", tmp_path / "nope", tmp_path / "out"], "nope")
     assert_user_error(capsys, ["generate"], "run_dir")
     assert_user_error(capsys, ["frobnicate"], "frobnicate")
+
+
+@pytest.mark.parametrize("args,needles", [
+    (["--train.lr", "nan"], ["train.lr", "finite"]),
+    (["--train.grad_clip", "inf"], ["train.grad_clip", "finite"]),
+    (["--run.device", "cuda:7"], ["run.device"]),
+    (["--run.device", "tpu"], ["run.device"]),
+])
+def test_bad_values_found_late_are_still_one_line(capsys, tmp_path, dataset, args, needles):
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, *args, "--run.dir", tmp_path / "r"], *needles)
+    assert not (tmp_path / "r").exists()
+
+
+def test_resume_with_another_recipe_or_filters(capsys, tmp_path, dataset):
+    run = tmp_path / "run"
+    base = [*SMALL, "--data.path", dataset, "--train.steps", "2", "--run.dir", run]
+    assert cli(capsys, "train", *base, "--recipe", "fp8-tensorwise")[0] == 0
+    before = snapshot(run)
+    assert_user_error(capsys, ["train", *base, "--recipe", "fp8-delayed", "--run.resume"], "recipe")
+    assert_user_error(capsys, ["train", *base, "--recipe", "fp8-tensorwise", "--numerics.min_dim", "64",
+                               "--run.resume"], "does not fit")
+    assert snapshot(run) == before
+    # a different activation checkpointing policy is not a different model: resume goes on
+    assert cli(capsys, "train", *base[:-4], "--train.steps", "3", "--run.dir", run, "--recipe", "fp8-tensorwise",
+               "--model.checkpointing", "full", "--run.resume")[0] == 0
+
+
+def test_export_to_a_file_path(capsys, tmp_path, dataset):
+    run = tmp_path / "run"
+    assert cli(capsys, "train", *SMALL, "--data.path", dataset, "--train.steps", "1", "--run.dir", run)[0] == 0
+    target = tmp_path / "file"
+    target.write_text("x")
+    assert_user_error(capsys, ["export-hf", run, target], "is a file")

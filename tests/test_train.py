@@ -157,3 +157,37 @@ def test_python_m_lowbit_entry_point():
                          timeout=120)
     assert out.returncode == 0
     assert "--train.steps" in out.stdout and "--model.preset" in out.stdout and "--recipe" in out.stdout
+
+
+@pytest.mark.parametrize("knob", [
+    ["--train.seed", "1"], ["--train.weight_decay", "0.5"], ["--train.beta1", "0.5"], ["--train.beta2", "0.9"],
+    ["--train.eps", "1e-3"], ["--model.init_std", "0.05"], ["--train.dtype", "bf16"], ["--train.min_lr_ratio", "0.9"],
+])
+def test_training_knobs_change_the_run(tmp_path, capsys, knob):
+    """Each of these options changes the losses of a short run (a knob with no effect would not)."""
+    base = [*SMALL, "--train.steps", "5", "--train.warmup_steps", "1"]
+    if not (tmp_path.parent / "knob-ref").exists():
+        assert cli(capsys, "train", *base, "--run.dir", tmp_path.parent / "knob-ref")[0] == 0
+    assert cli(capsys, "train", *base, *knob, "--run.dir", tmp_path / "run")[0] == 0
+    ref, run = losses(tmp_path.parent / "knob-ref"), losses(tmp_path / "run")
+    assert run[5] != ref[5] and math.isfinite(run[5])
+
+
+def test_weight_decay_only_on_matrices(tmp_path, capsys):
+    from lowbit.train.trainer import build_optimizer
+    from lowbit.train.config import load_config
+
+    cfg = load_config(None, ["--train.weight_decay", "0.3"])
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    groups = build_optimizer(model, cfg, torch.device("cpu")).param_groups
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(1, 0.3), (3, 0.0)]
+
+
+def test_numerics_filters_from_the_command_line(tmp_path, capsys):
+    code, out, _ = cli(capsys, "train", *SMALL, "--recipe", "fp8-tensorwise", "--train.steps", "1",
+                       "--model.n_layers", "3", "--numerics.keep_first_last", "true", "--numerics.min_dim", "64",
+                       "--run.dir", tmp_path / "run")
+    assert code == 0
+    line = next(x for x in out.splitlines() if "linears in low precision" in x)
+    assert "recipe fp8-tensorwise: 5 linears" in line  # block 1 only, minus wk/wv (64 -> 32)
+    assert "layers.0.attention.wq (first/last block)" in line and "layers.1.attention.wk (smaller than" in line

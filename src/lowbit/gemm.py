@@ -80,7 +80,7 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32
             sa, sb = _rowwise(a, a.shape[0]), _rowwise(b, b.shape[0]).reshape(1, -1)
         return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
-    if a.data.device.type == "cuda":
+    if a.data.device.type == "cuda" or "multiples of 16" in reason:  # on CPU, emulation is expected otherwise
         _warn_once((a.shape, b.shape, reason), f"scaled GEMM {tuple(a.shape)} x {tuple(b.shape)}ᵀ emulated: {reason}")
     with torch.autocast(a.data.device.type, enabled=False):
         return (a.dequantize() @ b.dequantize().t()).to(out_dtype)

@@ -60,7 +60,7 @@ def _stats(x: torch.Tensor, q: QTensor) -> dict[str, float]:
     return {
         "amax": x.abs().amax().item(),
         "scale": scale.mean().item() if scale.numel() > 1 else scale.item(),
-        "underflow_pct": 100.0 * ((deq == 0) & nonzero).sum().item() / n,
+        "underflow_pct": 100.0 * ((deq == 0) & nonzero).sum().item() / max(nonzero.sum().item(), 1),
         "saturated_pct": 100.0 * (scaled > fmt.max).sum().item() / n,
         "snr_db": snr,
     }
@@ -143,10 +143,11 @@ class LowPrecisionLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        update = self.training and torch.is_grad_enabled() and not _in_backward()
+        replay = _in_backward()  # activation checkpointing recomputes this forward
+        update = self.training and torch.is_grad_enabled() and not replay
         r, st = self.recipe, self.scaling
-        scale_x = st["input"].scales_for(x.reshape(-1, x.shape[-1]), update)
-        scale_w = st["weight"].scales_for(self.weight, update)
+        scale_x = st["input"].scales_for(x.reshape(-1, x.shape[-1]), update, replay)
+        scale_w = st["weight"].scales_for(self.weight, update, replay)
         # Backward records into the output-gradient state when it must (delayed) or when it costs nothing (eager);
         # under torch.compile, current scaling stays free of side effects so the GEMMs compile without a break.
         keep_state = r.grad_output.strategy == "delayed" or not torch.compiler.is_compiling()

@@ -140,6 +140,9 @@ class ScalingState(nn.Module):
         self.register_buffer("amax_history", torch.zeros(s.history if s.strategy == "delayed" else 1))
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
         self.register_buffer("skipped", torch.zeros((), dtype=torch.int64))
+        # The scale the last recording cast used, so that a forward replayed by activation checkpointing casts
+        # exactly as the original did (a delayed scale has moved on by then). Not checkpointed: it lives one step.
+        self.register_buffer("last_used", torch.ones(()), persistent=False)
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -147,9 +150,12 @@ class ScalingState(nn.Module):
         return f"{s.fmt}, {s.granularity}, {s.strategy}{extra}, margin={s.margin}"
 
     @torch.no_grad()
-    def scales_for(self, x: torch.Tensor, update: bool) -> torch.Tensor:
-        """The scale(s) to cast `x` with, in group_amax's layout; records the amax when `update`."""
+    def scales_for(self, x: torch.Tensor, update: bool, replay: bool = False) -> torch.Tensor:
+        """The scale(s) to cast `x` with, in group_amax's layout; records the amax when `update`. `replay`: the
+        forward is being recomputed in backward; a delayed scale is then the one the original forward used."""
         s = self.spec
+        if replay and s.strategy == "delayed":
+            return self.last_used  # no new op: selective checkpointing replays ops by count
         amax = group_amax(x, s)
         if s.strategy == "current":
             if s.granularity == "tensor":
@@ -169,6 +175,7 @@ class ScalingState(nn.Module):
         current, _ = scale_from_amax(amax, s, fallback=self.scale)
         scale = torch.where(self.updates == 0, current, self.scale)
         if update:
+            self.last_used.copy_(scale)
             self.record(amax)
         return scale
 

@@ -58,6 +58,8 @@ def export(run_dir: str, out_dir: str) -> Path:
 
     model, tok_path, _ = load_trained(run_dir)
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise LowbitError(f"export-hf: output path {out} is a file, not a directory")
     if out.exists() and any(out.iterdir()):
         raise LowbitError(f"export-hf: output directory {out} is not empty")
     try:

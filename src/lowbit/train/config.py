@@ -7,6 +7,7 @@ Validation errors are `LowbitError`s that name the key.
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -146,11 +147,16 @@ def _coerce(key: str, value: Any, tp) -> Any:
             if base is int:
                 return int(text)
             if base is float:
-                return float(text)
+                v = float(text)
+                if not math.isfinite(v):
+                    raise LowbitError(f"{key}: must be a finite number, got {value!r}")
+                return v
         except ValueError:
             raise LowbitError(f"{key}: expected {base.__name__}, got {value!r}") from None
     if base is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if base is float and isinstance(value, float) and not math.isfinite(value):
+        raise LowbitError(f"{key}: must be a finite number, got {value}")
     if not isinstance(value, base) or (base is int and isinstance(value, bool)):
         raise LowbitError(f"{key}: expected {base.__name__}, got {type(value).__name__} {value!r}")
     return value

@@ -25,6 +25,16 @@ def gpu_peak_flops(device) -> float | None:
     return None
 
 
+def check_tensorboard() -> None:
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        from lowbit.errors import LowbitError
+
+        raise LowbitError("run.tensorboard: the tensorboard package is not installed (pip install tensorboard)") \
+            from None
+
+
 def truncate_after(path: Path, step: int) -> None:
     """Drop lines of steps after `step` (a resumed run redoes them), atomically."""
     if not path.exists():
@@ -41,13 +51,9 @@ class Metrics:
         self.file = open(self.path, "a")
         self.tb = None
         if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                from lowbit.errors import LowbitError
+            check_tensorboard()
+            from torch.utils.tensorboard import SummaryWriter
 
-                raise LowbitError("run.tensorboard: the tensorboard package is not installed "
-                                  "(pip install tensorboard)") from None
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
 
     def log(self, record: dict) -> None:

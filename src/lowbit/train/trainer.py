@@ -26,18 +26,26 @@ from lowbit.linear import LowPrecisionLinear
 from lowbit.recipes import convert, get_recipe, with_filters
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.config import Config, to_dict, to_toml
-from lowbit.train.metrics import Metrics, gpu_peak_flops, plot_losses, progress_line, truncate_after, warn
+from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, plot_losses, progress_line,
+                                  truncate_after, warn)
+
+RESUMABLE_CHANGES = ("checkpointing", "init_std", "attention")  # model args that may differ on resume
 
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name.startswith("cuda") and not torch.cuda.is_available():
-        raise LowbitError(f"run.device: {name!r} asked for, but CUDA is not available")
     try:
-        return torch.device(name)
+        device = torch.device(name)
     except RuntimeError:
         raise LowbitError(f"run.device: {name!r} is not a device (auto, cpu, cuda, cuda:N)") from None
+    if device.type not in ("cpu", "cuda"):
+        raise LowbitError(f"run.device: {name!r}: lowbit runs on cpu or cuda")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise LowbitError(f"run.device: {name!r} asked for, but CUDA is not available")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise LowbitError(f"run.device: {name!r}, but this machine has {torch.cuda.device_count()} GPU(s)")
+    return device
 
 
 def compute_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -163,9 +171,17 @@ def train(cfg: Config) -> dict:
         if info["tokenizer_hash"] != dataset.meta["tokenizer_hash"]:
             raise LowbitError(f"run.resume: checkpoint {resume_from} was trained with another tokenizer than "
                               f"the data in {data_path}")
-        if info["model_args"] != dataclasses.asdict(args):
-            raise LowbitError(f"run.resume: checkpoint {resume_from} has model shape {info['model_args']}, the "
-                              f"config asks for {dataclasses.asdict(args)}")
+        # The shape must match; how it is computed (checkpointing policy, say) may change on resume.
+        shape = {k: v for k, v in dataclasses.asdict(args).items() if k not in RESUMABLE_CHANGES}
+        saved = {k: v for k, v in info["model_args"].items() if k not in RESUMABLE_CHANGES}
+        if saved != shape:
+            raise LowbitError(f"run.resume: checkpoint {resume_from} has model shape {saved}, the config asks "
+                              f"for {shape}")
+        if info.get("recipe", "bf16") != recipe.name:
+            raise LowbitError(f"run.resume: checkpoint {resume_from} was trained with recipe {info['recipe']!r}, "
+                              f"the config asks for {recipe.name!r} (their scaling states differ)")
+    if cfg.run.tensorboard:
+        check_tensorboard()
     prepare_run_dir(run_dir, cfg.run.resume)
 
     # ---- build ----
@@ -179,7 +195,11 @@ def train(cfg: Config) -> dict:
     start_step, tokens_seen = 0, 0
     if resumed is not None:
         model_state, state, info = resumed
-        model.load_state_dict(model_state)
+        try:
+            model.load_state_dict(model_state)
+        except RuntimeError as e:  # e.g. numerics filters that convert other layers than the checkpoint's
+            raise LowbitError(f"run.resume: checkpoint {resume_from} does not fit this model: "
+                              f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}") from None
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"], device)
