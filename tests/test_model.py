@@ -160,3 +160,9 @@ def test_bad_shapes_are_one_line_errors(kw, match):
 
 def test_vocab_rounds_up_from_tokenizer():
     assert resolve_model_args(ModelConfig(), vocab_size=4097, seq_len=16).vocab_size == 4160
+
+
+def test_ffn_width_follows_multiple_of_and_explicit_size():
+    assert resolve_model_args(ModelConfig(ffn_multiple_of=32), vocab_size=300, seq_len=16).ffn_dim == 704
+    assert resolve_model_args(ModelConfig(ffn_multiple_of=256), vocab_size=300, seq_len=16).ffn_dim == 768
+    assert resolve_model_args(ModelConfig(ffn_dim=500), vocab_size=300, seq_len=16).ffn_dim == 500
