@@ -119,6 +119,10 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, None, None
 
 
+def _scaling_states(recipe: LinearRecipe, device) -> nn.ModuleDict:
+    return nn.ModuleDict({name: ScalingState(getattr(recipe, name)) for name in OPERANDS}).to(device)
+
+
 class LowPrecisionLinear(nn.Linear):
     """Drop-in for nn.Linear (same parameters, same state_dict keys plus the scaling buffers)."""
 
@@ -126,9 +130,7 @@ class LowPrecisionLinear(nn.Linear):
                  device=None, dtype=None):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = recipe or LinearRecipe()
-        self.scaling = nn.ModuleDict({name: ScalingState(getattr(self.recipe, name)) for name in OPERANDS})
-        if device is not None:
-            self.scaling.to(device)
+        self.scaling = _scaling_states(self.recipe, self.weight.device)
         self.telemetry_armed = False
         self.telemetry: dict[str, dict[str, float]] = {}
 
@@ -138,8 +140,7 @@ class LowPrecisionLinear(nn.Linear):
         new = cls(linear.in_features, linear.out_features, bias=False, recipe=recipe, device="meta")
         new.weight = linear.weight
         new.bias = linear.bias
-        new.scaling = nn.ModuleDict({name: ScalingState(getattr(recipe, name)) for name in OPERANDS}).to(
-            linear.weight.device)
+        new.scaling = _scaling_states(recipe, linear.weight.device)
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

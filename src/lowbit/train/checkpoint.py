@@ -128,8 +128,7 @@ def find_resumable(run_dir: str | Path) -> Path:
 
 
 def load(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
-    """(model_state, state, info) of a verified checkpoint."""
-    verify(path)
+    """(model_state, state, info) of a checkpoint that find_resumable already verified."""
     try:
         model_state = load_file(str(path / "model.safetensors"), device=str(map_location))
         state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
@@ -140,8 +139,8 @@ def load(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict, di
 
 
 def load_model_weights(path: Path) -> tuple[dict, dict]:
-    """(model_state, info) for inference/export: the optimizer state is neither needed nor read."""
-    verify(path)
+    """(model_state, info) for inference/export of a checkpoint latest_for_inference verified: the optimizer
+    state is neither needed nor read."""
     try:
         return load_file(str(path / "model.safetensors")), json.loads((path / "trainer.json").read_text())
     except (SafetensorError, OSError, ValueError) as e:
@@ -149,9 +148,10 @@ def load_model_weights(path: Path) -> tuple[dict, dict]:
 
 
 def latest_for_inference(run_dir: str | Path) -> Path:
-    """A checkpoint dir given directly, or the newest good one of a run dir."""
+    """A checkpoint dir given directly (verified), or the newest good one of a run dir."""
     p = Path(run_dir)
     if (p / "manifest.json").exists():
+        verify(p)
         return p
     if not p.is_dir():
         raise LowbitError(f"run directory not found: {run_dir}")
