@@ -10,6 +10,7 @@ from torch import nn
 
 from lowbit.errors import LowbitError
 from lowbit.linear import LinearRecipe, LowPrecisionLinear
+from lowbit.optim.precision import StatePrecision
 from lowbit.scaling import Scaling
 
 
@@ -21,14 +22,20 @@ class Recipe:
     keep_lm_head: bool = True  # the output head stays high precision (its logits feed the softmax directly)
     keep_first_last: bool = False  # the first and last transformer blocks stay high precision
     min_dim: int = 0  # linears with in or out features below this stay high precision (too small to gain)
+    optim: StatePrecision = StatePrecision()  # storage of the covered weights and their optimizer states
+    needs_grad_clip: bool = False  # the recipe is only stable with gradient clipping (train.grad_clip > 0)
 
 
 def _fp8(inp: Scaling, weight: Scaling, grad: Scaling, **kw) -> LinearRecipe:
     return LinearRecipe(input=inp, weight=weight, grad_output=grad, **kw)
 
 
+_NANOTRON = dict(strategy="delayed", history=16, interval=16)
 _TE_DELAYED = dict(strategy="delayed", history=1024, algo="max")
 _FP8LM_WINDOW = dict(strategy="delayed", history=16, algo="max", pow2=True)
+_FP8LM_LINEAR = _fp8(Scaling("e4m3", **_FP8LM_WINDOW), Scaling("e4m3", pow2=True), Scaling("e5m2", **_FP8LM_WINDOW))
+_O1 = StatePrecision(grads="e4m3")
+_O2 = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
 
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("bf16", "baseline: every linear computes in train.dtype (bf16 autocast on GPU)"),
@@ -37,7 +44,18 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("fp8-delayed", "FP8 with delayed scaling, amax history 1024 (max), TransformerEngine DelayedScaling HYBRID",
            _fp8(Scaling("e4m3", **_TE_DELAYED), Scaling("e4m3", **_TE_DELAYED), Scaling("e5m2", **_TE_DELAYED))),
     Recipe("fp8lm", "FP8-LM/MS-AMP windows: input and output-grad history 16, weight current, power-of-two scales",
-           _fp8(Scaling("e4m3", **_FP8LM_WINDOW), Scaling("e4m3", pow2=True), Scaling("e5m2", **_FP8LM_WINDOW))),
+           _FP8LM_LINEAR),
+    Recipe("fp8lm-o1", "FP8-LM O1: fp8lm GEMMs + E4M3 weight gradients, fp32 optimizer states (13 bytes/param)",
+           _FP8LM_LINEAR, optim=_O1),
+    Recipe("fp8lm-o2", "FP8-LM O2: O1 + first moment E4M3, second moment FP16 with a scale, bf16 weights as the "
+           "master (6 bytes/param)", _FP8LM_LINEAR, optim=_O2),
+    Recipe("fp8lm-o3", "FP8-LM O3: O2 + an FP16 master with a per-tensor scale (8 bytes/param here: FP8 weight "
+           "storage is not implemented, see docs/numerics.md)", _FP8LM_LINEAR,
+           optim=StatePrecision(weights="bf16", master="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")),
+    Recipe("nanotron-r2", "nanotron FP8 recipe 2: FP8 forward and backward (interval-16 delayed scaling), both Adam "
+           "moments in FP8 (E4M3, E5M2), gradient clipping required",
+           _fp8(Scaling("e4m3", **_NANOTRON), Scaling("e4m3"), Scaling("e5m2", **_NANOTRON)),
+           optim=StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2"), needs_grad_clip=True),
     Recipe("fp8-rowwise", "FP8 with a scale per row (token / output channel), E4M3 throughout (torchao rowwise)",
            _fp8(Scaling("e4m3", "row"), Scaling("e4m3", "row"), Scaling("e4m3", "row"))),
     Recipe("fp8-blockwise", "DeepSeek-V3 FP8: 1x128 activation and gradient tiles, 128x128 weight blocks, "
@@ -69,6 +87,14 @@ def _kept(name: str, linear: nn.Linear, recipe: Recipe, n_layers: int | None) ->
     if min(linear.in_features, linear.out_features) < recipe.min_dim:
         return f"smaller than min_dim {recipe.min_dim}"
     return None
+
+
+def covered_linears(model: nn.Module, recipe: Recipe) -> list[str]:
+    """Names of the linears the recipe covers: the converted ones, or for a recipe without low-precision linears
+    (bf16) the ones its filters would convert. Their weights get the recipe's optimizer precision."""
+    n_layers = len(model.layers) if hasattr(model, "layers") else None
+    return [name for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)
+            or (recipe.linear is None and type(m) is nn.Linear and _kept(name, m, recipe, n_layers) is None)]
 
 
 def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:

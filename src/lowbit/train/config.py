@@ -72,6 +72,8 @@ class TrainConfig:
     beta2: float = opt(0.95, "AdamW beta2")
     eps: float = opt(1e-8, "AdamW epsilon")
     grad_clip: float = opt(1.0, "clip the global gradient norm to this; 0: off")
+    rollback_after: int = opt(3, "after this many consecutive steps skipped for NaN/Inf gradients, roll back to "
+                                 "the last checkpoint")
     dtype: str = opt("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (autocast)")
     seed: int = opt(0, "seed of initialization and data order")
     compile: bool = opt(False, "torch.compile the model")
@@ -86,6 +88,15 @@ class NumericsConfig:
     keep_first_last: bool = opt(False, "low-precision recipes leave the first and last blocks in train.dtype")
     min_dim: int = opt(0, "linears with in or out features below this stay in train.dtype (too small to gain)")
     telemetry_every: int = opt(50, "every N steps record amax, scale, underflow, saturation, SNR per operand; 0: off")
+
+
+@dataclass
+class OptimConfig:
+    weights: str = opt("", "storage of the covered weights: fp32 | bf16; empty: the recipe's")
+    master: str = opt("", "master copy of the covered weights: none | fp32 | bf16 | fp16 (scaled); empty: the recipe's")
+    grads: str = opt("", "covered weight gradients: fp32 | bf16 | e4m3 | e5m2 (scaled); empty: the recipe's")
+    exp_avg: str = opt("", "Adam first moment of the covered weights: fp32 | bf16 | e4m3; empty: the recipe's")
+    exp_avg_sq: str = opt("", "Adam second moment: fp32 | bf16 | fp16 | e4m3 | e5m2 (scaled); empty: the recipe's")
 
 
 @dataclass
@@ -110,6 +121,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
@@ -237,7 +249,7 @@ POSITIVE = [
     "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim", "model.ffn_multiple_of",
     "model.vocab_size", "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std",
     "data.vocab_size", "data.seq_len", "train.steps", "train.batch_size", "train.lr", "train.eps",
-    "train.eval_batches", "train.log_every", "checkpoint.keep",
+    "train.eval_batches", "train.log_every", "train.rollback_after", "checkpoint.keep",
 ]
 NON_NEGATIVE = [
     "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
@@ -279,9 +291,23 @@ def validate(cfg: Config) -> None:
         raise LowbitError(f"train.stop_at ({t.stop_at}) is beyond train.steps ({t.steps})")
     if not cfg.run.dir:
         raise LowbitError("run.dir: must not be empty")
+    recipe = RECIPES[cfg.recipe]
+    optim_precision(cfg)  # raises naming the optim key
+    if recipe.needs_grad_clip and not t.grad_clip:
+        raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
     from lowbit.models.llama import resolve_model_args
     resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
+
+
+def optim_precision(cfg: Config):
+    """The covered weights' StatePrecision: the recipe's, with the [optim] fields that are set."""
+    from lowbit.optim.precision import StatePrecision
+    from lowbit.recipes import RECIPES
+
+    base = RECIPES[cfg.recipe].optim
+    over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v}
+    return StatePrecision(**{**dataclasses.asdict(base), **over})
 
 
 def to_dict(cfg: Config) -> dict:

@@ -23,9 +23,11 @@ from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, resolve_model_args
 from lowbit.linear import LowPrecisionLinear
-from lowbit.recipes import convert, get_recipe, with_filters
+from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
+from lowbit.optim.memory import format_report, memory_report
+from lowbit.recipes import convert, covered_linears, get_recipe, with_filters
 from lowbit.train import checkpoint as ckpt
-from lowbit.train.config import Config, to_dict, to_toml
+from lowbit.train.config import Config, optim_precision, to_dict, to_toml
 from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, plot_losses, progress_line,
                                   truncate_after, warn)
 
@@ -54,26 +56,16 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
-def lr_lambda(steps: int, warmup: int, min_ratio: float):
-    """Multiplier of the peak LR after `i` scheduler steps: linear warm-up, then cosine down to min_ratio."""
-
-    def f(i: int) -> float:
-        if i < warmup:
-            return (i + 1) / warmup
-        progress = min(1.0, (i - warmup) / max(1, steps - warmup))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
-def build_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device) -> torch.optim.AdamW:
-    """AdamW, weight decay on 2+-dim tensors only; the fused kernel on GPU."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+def build_optimizer(model: torch.nn.Module, recipe, precision: StatePrecision, cfg: Config) -> LowbitAdamW:
+    """AdamW: the weights of the linears the recipe covers with its storage precision, everything else fp32;
+    weight decay on 2+-dim tensors only."""
+    covered = {id(model.get_submodule(name).weight) for name in covered_linears(model, recipe)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if id(p) in covered], "precision": precision, "covered": True},
+              {"params": [p for p in params if id(p) not in covered]}]
     t = cfg.train
-    groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kw = {"fused": True} if device.type == "cuda" else {"foreach": True}
-    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps, **kw)
+    return LowbitAdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+                       weight_decay=t.weight_decay)
 
 
 def _rng_state(device: torch.device) -> dict:
@@ -146,8 +138,12 @@ def train(cfg: Config) -> dict:
     n = cfg.numerics
     recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
                           min_dim=n.min_dim)
+    precision = optim_precision(cfg)
     device = resolve_device(cfg.run.device)
     dtype = compute_dtype(t.dtype, device)
+    if recipe.linear is None and precision.weights != "fp32" and dtype == torch.float32:
+        raise LowbitError(f"optim.weights: {precision.weights} weights in high-precision linears need autocast "
+                          f"(train.dtype bf16)")
 
     # ---- check every input before writing anything ----
     data_path = resolve_dataset(cfg.data.path, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
@@ -190,20 +186,24 @@ def train(cfg: Config) -> dict:
     model = Llama(args).to(device)
     conversion = convert(model, recipe)
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
-    optimizer = build_optimizer(model, cfg, device)
+    optimizer = build_optimizer(model, recipe, precision, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
-    start_step, tokens_seen = 0, 0
-    if resumed is not None:
-        model_state, state, info = resumed
+
+    def restore(path: Path, loaded) -> tuple[int, int]:
+        model_state, state, info = loaded
         try:
             model.load_state_dict(model_state)
         except RuntimeError as e:  # e.g. numerics filters that convert other layers than the checkpoint's
-            raise LowbitError(f"run.resume: checkpoint {resume_from} does not fit this model: "
+            raise LowbitError(f"run.resume: checkpoint {path} does not fit this model: "
                               f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}") from None
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         _set_rng_state(state["rng"], device)
-        start_step, tokens_seen = info["step"], info["tokens_seen"]
+        return info["step"], info["tokens_seen"]
+
+    start_step, tokens_seen = 0, 0
+    if resumed is not None:
+        start_step, tokens_seen = restore(resume_from, resumed)
         truncate_after(run_dir / "metrics.jsonl", start_step)
         print(f"lowbit: resuming from {resume_from} (step {start_step})")
     step_fn = torch.compile(model) if t.compile else model
@@ -243,6 +243,24 @@ def train(cfg: Config) -> dict:
 
     summary = {"run_dir": str(run_dir), "start_step": start_step, "step": start_step, "loss": None,
                "val_loss": None}
+    rolled_back_to: set[Path] = set()
+
+    def rollback(bad_step: int) -> tuple[int, int]:
+        """Back to the newest good checkpoint, once per checkpoint: a deterministic replay that fails again
+        would only loop."""
+        good = ckpt.find_resumable(run_dir) if ckpt.list_checkpoints(run_dir) else None
+        if good is None or good in rolled_back_to:
+            raise LowbitError(f"{t.rollback_after} consecutive steps with non-finite gradients up to step {bad_step}"
+                              f"; {'no checkpoint to roll back to' if good is None else f'already rolled back to {good} once'}"
+                              f" (lower train.lr or raise train.warmup_steps; checkpoint.every sets the rollback points)")
+        rolled_back_to.add(good)
+        back = restore(good, ckpt.load(good))
+        print(f"lowbit: {t.rollback_after} consecutive bad steps up to step {bad_step}: rolled back to {good} "
+              f"(step {back[0]})", flush=True)
+        metrics.log({"step": back[0], "rollback": {"from": bad_step, "to": back[0], "checkpoint": str(good)}})
+        return back
+
+    skipped, bad_run, memory_reported = 0, 0, False
     model.train()
     window_t0, window_tokens, run_t0, timed_steps = time.perf_counter(), 0, None, 0
     step = start_step
@@ -264,22 +282,34 @@ def train(cfg: Config) -> dict:
                 loss_sum += loss.detach()
             for layer in lp_layers.values():
                 layer.telemetry_armed = False
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip or float("inf"))
+            grad_norm = optimizer.clip_grad_norm_(t.grad_clip or float("inf"))
             loss_value = loss_sum.item() / n_micro
-            if not math.isfinite(loss_value) or not math.isfinite(grad_norm.item()):
-                good = ckpt.list_checkpoints(run_dir)
-                raise LowbitError(f"non-finite {'loss' if not math.isfinite(loss_value) else 'gradient norm'} at "
-                                  f"step {step}; no update applied; last checkpoint: "
-                                  f"{good[-1] if good else 'none'} (lower train.lr or raise train.warmup_steps)")
             lr = scheduler.get_last_lr()[0]
-            optimizer.step()
+            finite = math.isfinite(loss_value) and math.isfinite(grad_norm.item())
+            if finite:
+                bad_run = 0
+                optimizer.step()
+            else:  # skip the update: nothing non-finite reaches the weights or the optimizer states
+                skipped, bad_run = skipped + 1, bad_run + 1
+                print(f"lowbit: step {step}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradients'}"
+                      f", update skipped ({bad_run} in a row, {skipped} in all)", flush=True)
             scheduler.step()
+            if finite and not memory_reported:  # measured once every tensor exists (gradients included)
+                report = memory_report(optimizer)
+                (run_dir / "memory.json").write_text(json.dumps(report, indent=1))
+                print(format_report(report), flush=True)
+                memory_reported = True
             optimizer.zero_grad(set_to_none=True)
+            if bad_run >= t.rollback_after:
+                metrics.log({"step": step, "skipped": True, "skipped_steps": skipped})
+                step, tokens_seen = rollback(step)
+                bad_run = 0
+                continue
             tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
 
             record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
-                      "tokens": tokens_seen}
+                      "tokens": tokens_seen, **({"skipped": not finite, "skipped_steps": skipped} if skipped else {})}
             if step == start_step + 1:  # the first step pays for compilation and warm-up: time from here on
                 run_t0, window_t0, window_tokens = time.perf_counter(), time.perf_counter(), 0
             else:
@@ -307,7 +337,7 @@ def train(cfg: Config) -> dict:
                 print(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
                       flush=True)
                 summary["val_loss"] = val_loss
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0) or end:
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end:
                 save_checkpoint(step)
             paused = time.perf_counter() - pause_t0
             window_t0 += paused

@@ -1,0 +1,231 @@
+"""AdamW with per-state storage precision (FP8-LM's precision decoupling).
+
+Each parameter group carries a StatePrecision: what the weights, a master copy, the gradients and the two
+moments are stored in. The update itself is fp32 math: decode the states, step, encode them again with fresh
+per-tensor power-of-two scales (MS-AMP's two stages: update + amax, then requantize). Groups that are all fp32
+run torch's fused AdamW kernel.
+
+Gradients stored below the weights' precision (FP8, or bf16 for fp32 weights) are taken from autograd by a
+post-accumulate hook: the wgrad GEMM's output (which every GEMM writes in high precision) is quantized and freed
+as soon as it is accumulated, so at most one layer's high-precision gradient lives at a time. Micro-batches
+accumulate by rescaling: the stored gradient is decoded, the new one added in fp32, and the sum re-encoded with
+the scale of its own amax (one rounding per micro-batch, never an overflow).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.optim.precision import KINDS, StatePrecision, decode, encode
+
+_STATES = ("exp_avg", "exp_avg_sq", "master")
+
+
+class GradStore:
+    """A gradient kept in low precision between backward and the optimizer step."""
+
+    def __init__(self, p: torch.Tensor, kind: str):
+        self.kind = kind
+        self.data = torch.zeros(p.shape, dtype=KINDS[kind][0], device=p.device)
+        self.scale = torch.ones((), device=p.device)
+        self.nonfinite = torch.zeros((), dtype=torch.bool, device=p.device)
+        self.filled = False
+
+    def add(self, g: torch.Tensor) -> None:
+        g = g.float()
+        self.nonfinite |= ~torch.isfinite(g.abs().amax())  # an FP8 cast would saturate an Inf into a finite value
+        if self.filled:
+            g = g + decode(self.data, self.kind, self.scale)
+        encode(g, self.kind, self.scale, out=self.data)
+        self.filled = True
+
+    def value(self) -> torch.Tensor:
+        return decode(self.data, self.kind, self.scale)
+
+    def clear(self) -> None:
+        self.filled = False
+        self.nonfinite.zero_()
+
+
+def _update(p, g, m, m_scale, v, v_scale, master, master_scale, step, lr, beta1, beta2, eps, wd,
+            kinds: tuple[str, str, str]):
+    """One AdamW step in fp32 on stored states (in place). `step`, `lr`: 0-dim tensors (no recompiles)."""
+    k_m, k_v, k_master = kinds
+    step += 1
+    m32 = decode(m, k_m, m_scale).lerp_(g, 1 - beta1)
+    v32 = decode(v, k_v, v_scale).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    w = decode(master, k_master, master_scale) if k_master != "none" else p.float()
+    w = w * (1 - lr * wd)
+    denom = (v32.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(eps)
+    w = w - (lr / (1 - beta1 ** step)) * m32 / denom
+    encode(m32, k_m, m_scale, out=m)
+    encode(v32, k_v, v_scale, out=v)
+    if k_master != "none":
+        encode(w, k_master, master_scale, out=master)
+    p.copy_(w)
+
+
+class LowbitAdamW(torch.optim.Optimizer):
+    """AdamW whose storage is set per group: `precision` (a StatePrecision) in a group or the defaults.
+
+    As MS-AMP's initialize does, the constructor converts each parameter to its `weights` storage (a master copy
+    is taken from the parameter first). Weight decay applies to tensors of 2+ dims only unless a group sets
+    `decay_1d`. States are allocated at construction, so memory can be measured before the first step."""
+
+    def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 precision: StatePrecision = StatePrecision(), decay_1d: bool = False, compile: bool | None = None):
+        if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
+            raise LowbitError(f"optimizer: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decay_1d=decay_1d,
+                        precision=precision, covered=False)
+        super().__init__(params, defaults)
+        self._grads: dict[torch.Tensor, GradStore] = {}
+        self._compile = compile
+        self._update_fn = None
+        for group in self.param_groups:
+            prec = group["precision"]
+            if isinstance(prec, dict):
+                prec = StatePrecision(**prec)
+            group["precision"] = prec.__dict__.copy()  # plain strings: state_dict stays loadable anywhere
+            for p in group["params"]:
+                self._init_param(p, prec)
+
+    @staticmethod
+    def precision_of(group) -> StatePrecision:
+        return StatePrecision(**group["precision"])
+
+    def _init_param(self, p: torch.Tensor, prec: StatePrecision) -> None:
+        st = self.state[p]
+        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        for name in _STATES:
+            kind = getattr(prec, name)
+            if kind == "none":
+                continue
+            init = p.detach().float() if name == "master" else torch.zeros(p.shape, device=p.device)
+            st[f"{name}_scale"] = torch.ones((), device=p.device)
+            st[name] = encode(init, kind, st[f"{name}_scale"])
+        p.data = p.data.to(KINDS[prec.weights][0])
+        if prec.grads != prec.weights:
+            self._grads[p] = GradStore(p, prec.grads)
+            p.register_post_accumulate_grad_hook(self._take_grad)
+
+    def _take_grad(self, p: torch.Tensor) -> None:
+        self._grads[p].add(p.grad)
+        p.grad = None
+
+    def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
+        """The current gradient of `p` in fp32 (None if it has none)."""
+        store = self._grads.get(p)
+        if store is not None:
+            return store.value() if store.filled else None
+        return None if p.grad is None else p.grad.float()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for store in self._grads.values():
+            store.clear()
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Global L2 norm of all gradients (NaN if any is non-finite); scales them to `max_norm` if above it
+        (0 or inf: only measure). A scaled stored gradient is clipped exactly, by changing its scale."""
+        plain = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        stored = [s for s in self._grads.values() if s.filled]
+        norms = [n.float() for n in torch._foreach_norm(plain)] if plain else []
+        norms += [s.data.float().norm() / s.scale for s in stored]
+        if not norms:
+            return torch.zeros(())
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        if stored:
+            bad = torch.stack([s.nonfinite for s in stored]).any()
+            total = torch.where(bad, torch.full_like(total, float("nan")), total)
+        if max_norm and math.isfinite(max_norm):
+            coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            if plain:
+                torch._foreach_mul_(plain, coef.to(plain[0].device))
+            for s in stored:
+                if KINDS[s.kind][1]:
+                    s.scale.div_(coef)
+                else:
+                    s.data.mul_(coef.to(s.data.dtype))
+        return total
+
+    def _fn(self, device: torch.device):
+        if self._update_fn is None:
+            use = self._compile if self._compile is not None else device.type == "cuda"
+            self._update_fn = torch.compile(_update, dynamic=False) if use else _update
+        return self._update_fn
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            prec = self.precision_of(group)
+            beta1, beta2 = group["betas"]
+            pairs = [(p, g) for p in group["params"] if (g := self._grad_for_step(p, prec)) is not None]
+            if not pairs:
+                continue
+            wd_of = [group["weight_decay"] if (p.dim() >= 2 or group["decay_1d"]) else 0.0 for p, _ in pairs]
+            if prec.all_fp32:
+                for wd in set(wd_of):
+                    sub = [pg for pg, w in zip(pairs, wd_of) if w == wd]
+                    ps = [p for p, _ in sub]
+                    st = [self.state[p] for p in ps]
+                    torch._foreach_add_([s["step"] for s in st], 1)  # the fused kernel reads, not counts, steps
+                    torch._fused_adamw_(ps, [g for _, g in sub], [s["exp_avg"] for s in st],
+                                        [s["exp_avg_sq"] for s in st], [], [s["step"] for s in st], lr=group["lr"],
+                                        beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
+                                        maximize=False)
+                continue
+            kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master)
+            for (p, g), wd in zip(pairs, wd_of):
+                st = self.state[p]
+                fn = self._fn(p.device)
+                lr = torch.tensor(group["lr"], device=p.device)
+                fn(p, g, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
+                   st.get("master", st["step"]), st.get("master_scale", st["step"]), st["step"], lr, beta1, beta2,
+                   group["eps"], wd, kinds)
+        return loss
+
+    def _grad_for_step(self, p, prec: StatePrecision):
+        if prec.all_fp32:
+            return p.grad
+        return self.grad_of(p)
+
+    # ---- checkpoints: states are restored exactly as stored (torch's default would cast them to the weights'
+    # dtype, turning an FP8 moment into bf16) ----
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups, saved = self.param_groups, state_dict.get("param_groups")
+        if not isinstance(saved, list) or len(saved) != len(groups) or "state" not in state_dict:
+            raise LowbitError(f"optimizer state: {len(saved) if isinstance(saved, list) else 'no'} parameter groups "
+                              f"saved, this model has {len(groups)} (another model or recipe)")
+        params = [p for g in groups for p in g["params"]]
+        for i, (g, s) in enumerate(zip(groups, saved)):
+            if len(g["params"]) != len(s.get("params", ())):
+                raise LowbitError(f"optimizer state: group {i} holds {len(s.get('params', ()))} tensors, this model "
+                                  f"has {len(g['params'])} (another model or recipe)")
+            if s.get("precision") != g["precision"]:
+                raise LowbitError(f"optimizer state: group {i} was stored as {s.get('precision')}, this run asks "
+                                  f"for {g['precision']} (another recipe or [optim] setting)")
+        ids = [i for s in saved for i in s["params"]]
+        for i, p in zip(ids, params):
+            st = state_dict["state"].get(i)
+            if st is None:
+                continue
+            for name in _STATES:
+                if name in st and tuple(st[name].shape) != tuple(p.shape):
+                    raise LowbitError(f"optimizer state: a {name} of shape {tuple(st[name].shape)} for a parameter "
+                                      f"of shape {tuple(p.shape)} (another model)")
+        hyper = [{k: v for k, v in s.items() if k != "params"} for s in saved]
+        for g, h in zip(groups, hyper):
+            g.update(h)
+        for i, p in zip(ids, params):
+            if i in state_dict["state"]:
+                self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v
+                                 for k, v in state_dict["state"][i].items()}
