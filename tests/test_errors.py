@@ -5,6 +5,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import SMALL, cli
 from lowbit.data import default_dataset, train_tokenizer
@@ -158,18 +159,50 @@ def test_existing_run_is_not_overwritten(capsys, tmp_path, dataset):
     assert snapshot(run) == before
 
 
-def test_non_finite_loss_stops_with_one_line_and_keeps_last_checkpoint(capsys, tmp_path, dataset):
+def test_non_finite_steps_are_skipped_then_rolled_back_then_stop(capsys, tmp_path, dataset):
     run = tmp_path / "run"
-    line = assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--train.steps", "30",
-                                      "--checkpoint.every", "1", "--train.lr", "1e30", "--train.warmup_steps", "0",
-                                      "--train.grad_clip", "0", "--run.dir", run], "non-finite")
-    step = int(line.split(" at step ")[1].split(";")[0])
+    code, out, err = cli(capsys, "train", *SMALL, "--data.path", dataset, "--train.steps", "30",
+                         "--checkpoint.every", "1", "--train.lr", "1e30", "--train.warmup_steps", "0",
+                         "--train.grad_clip", "0", "--train.rollback_after", "2", "--run.dir", run)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "non-finite" in err and "already rolled back" in err
+    assert "update skipped (2 in a row" in out and "rolled back to" in out
+    from conftest import read_metrics
+
     from lowbit.train import checkpoint as ckpt
 
+    records = read_metrics(run)
+    good = [r["step"] for r in records if "loss" in r and not r.get("skipped")]
+    assert any(r.get("rollback") for r in records)
     names = [p.name for p in ckpt.list_checkpoints(run)]
-    assert names and int(names[-1].split("_")[1]) == step - 1  # nothing written after the bad step
+    assert names and int(names[-1].split("_")[1]) == max(good)  # no checkpoint of a skipped step
 
 
+def test_a_nan_gradient_is_skipped_counted_and_training_goes_on(capsys, tmp_path, dataset, monkeypatch):
+    from conftest import read_metrics
+
+    from lowbit.optim import LowbitAdamW
+
+    real, calls = LowbitAdamW.clip_grad_norm_, []
+
+    def poisoned(self, max_norm):  # step 3's gradients get a NaN, through the FP8 gradient store
+        calls.append(1)
+        if len(calls) == 3:
+            next(iter(self._grads.values())).add(torch.full_like(next(iter(self._grads)), float("nan")))
+        return real(self, max_norm)
+
+    monkeypatch.setattr(LowbitAdamW, "clip_grad_norm_", poisoned)
+    run = tmp_path / "run"
+    code, out, _ = cli(capsys, "train", *SMALL, "--data.path", dataset, "--recipe", "fp8lm-o2", "--train.steps", "6",
+                       "--run.dir", run)
+    assert code == 0 and "step 3: non-finite gradients, update skipped (1 in a row, 1 in all)" in out
+    records = {r["step"]: r for r in read_metrics(run) if "loss" in r}
+    assert records[3]["skipped"] and records[6]["skipped_steps"] == 1 and not records[6]["skipped"]
+    from lowbit.train import checkpoint as ckpt
+
+    _, state, _ = ckpt.load(ckpt.list_checkpoints(run)[-1])
+    for st in state["optimizer"]["state"].values():
+        assert all(torch.isfinite(v.float()).all() for v in st.values())
 def test_generate_and_export_bad_input(capsys, tmp_path):
     assert_user_error(capsys, ["generate", tmp_path / "nope"], "nope")
     assert_user_error(capsys, ["export-hf", tmp_path / "nope", tmp_path / "out"], "nope")

@@ -184,10 +184,10 @@ class LowbitAdamW(torch.optim.Optimizer):
                                         maximize=False)
                 continue
             kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master)
+            lr = torch.tensor(group["lr"], device=pairs[0][0].device)  # a tensor: no recompiles as lr changes
             for (p, g), wd in zip(pairs, wd_of):
                 st = self.state[p]
                 fn = self._fn(p.device)
-                lr = torch.tensor(group["lr"], device=p.device)
                 fn(p, g, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
                    st.get("master", st["step"]), st.get("master_scale", st["step"]), st["step"], lr, beta1, beta2,
                    group["eps"], wd, kinds)
