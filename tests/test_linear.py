@@ -16,6 +16,9 @@ from lowbit.scaling import Scaling
 from lowbit.tools.fidelity import linear_fidelity
 
 LOW = [name for name, r in RECIPES.items() if r.linear is not None]
+# fp8lm-o1 and fp8lm-o3 differ from the trained fp8lm and fp8lm-o2 only in optimizer storage between them; their
+# 200-step results are in docs/numerics.md and tests/test_optim.py runs them for a few steps (suite time).
+TRAINED = [name for name in RECIPES if name not in ("fp8lm-o1", "fp8lm-o3")]
 
 
 def emulate(a: QTensor, b: QTensor) -> torch.Tensor:
@@ -152,12 +155,12 @@ def recipe_runs(tmp_path_factory):
     common = ["--train.steps", "200", "--data.seq_len", "64", "--train.batch_size", "8", "--train.lr", "1e-3",
               "--train.eval_every", "0",
               "--train.eval_batches", "16", "--run.plot", "false", "--numerics.telemetry_every", "100"]
-    for name in RECIPES:
+    for name in TRAINED:
         assert main(["train", *common, "--recipe", name, "--run.dir", str(root / name)]) == 0
     return root
 
 
-@pytest.mark.parametrize("recipe", LOW)
+@pytest.mark.parametrize("recipe", [r for r in LOW if r in TRAINED])
 def test_every_recipe_trains_within_2_percent_of_bf16(recipe_runs, recipe):
     from conftest import read_metrics
 

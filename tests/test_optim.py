@@ -303,3 +303,13 @@ def test_recipe_needing_clipping_refuses_to_run_without(capsys, tmp_path):
     assert code == 2 and "train.grad_clip" in err
     code, _, err = cli(capsys, "train", *SMALL, "--optim.exp_avg", "fp16", "--run.dir", tmp_path / "run")
     assert code == 2 and "optim.exp_avg" in err
+
+
+@pytest.mark.parametrize("recipe", ["fp8lm-o1", "fp8lm-o3"])
+def test_other_fp8lm_levels_train(recipe, tmp_path, capsys):
+    from conftest import SMALL, cli, losses
+
+    code, out, err = cli(capsys, "train", *SMALL, "--recipe", recipe, "--train.steps", "6", "--run.dir", tmp_path)
+    assert code == 0, err
+    run = losses(tmp_path)
+    assert all(math.isfinite(v) for v in run.values()) and run[6] < run[1]
