@@ -228,3 +228,20 @@ def test_wgrad_in_high_precision():
     exact = dy.t() @ x  # dyᵀ·x in fp32
     err = {hp: (g - exact).norm().item() / exact.norm().item() for hp, g in grads.items()}
     assert err[True] < err[False]  # only the input's FP8 rounding is left
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise"])
+def test_compiles_in_one_graph_and_backward_still_records(recipe):
+    """No graph break, delayed scaling included: backward reports its output-gradient amax through the state's
+    sink tensor instead of writing the state (which would force a break)."""
+    from lowbit.recipes import get_recipe
+
+    torch.manual_seed(0)
+    layer = LowPrecisionLinear.from_linear(torch.nn.Linear(64, 32, bias=False), get_recipe(recipe).linear)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    for step in range(2):
+        compiled(torch.randn(16, 64)).pow(2).sum().backward()
+    go = layer.scaling["grad_output"]
+    assert go.updates.item() == 2 and go.skipped.item() == 0
+    if go.spec.granularity == "tensor":
+        assert go.amax_history[0] > 0 and go.scale != 1

@@ -68,11 +68,12 @@ def _stats(x: torch.Tensor, q: QTensor) -> dict[str, float]:
 
 class _LowPrecisionMatmul(torch.autograd.Function):
     """The three GEMMs. The input and weight scales arrive computed (their state is updated outside, where
-    torch.compile allows it); the output-gradient scale is chosen in backward, through `go_state` when it must
-    be recorded there (delayed scaling, or eager bookkeeping) and purely from `dy` otherwise."""
+    torch.compile allows it). The output-gradient scale is chosen in backward from the state's scale and update
+    count (read, never written) and dy's amax; what backward saw goes out as the gradient of `go_sink`, which
+    the state records outside the graph (ScalingState.sink)."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_state, go_fallback, update: bool,
+    def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_updates, go_sink,
                 telemetry_layer):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -84,26 +85,26 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         if telemetry_layer is not None:
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
-        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_fallback)
+        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_scale, go_updates)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
-        ctx.recipe, ctx.go_state, ctx.update, ctx.telemetry_layer = r, go_state, update, telemetry_layer
+        ctx.recipe, ctx.report, ctx.telemetry_layer = r, go_sink is not None, telemetry_layer
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        qx_data, qx_scale_inv, weight, go_fallback = ctx.saved_tensors
+        qx_data, qx_scale_inv, weight, go_scale, go_updates = ctx.saved_tensors
         r = ctx.recipe
+        g = r.grad_output
         qx = QTensor(qx_data, qx_scale_inv, r.input)
         dy2 = dy.reshape(-1, dy.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
-            if ctx.go_state is not None:
-                qdy = quantize(dy2, r.grad_output, ctx.go_state, ctx.update)
-            else:
-                amax_scale, _ = scale_from_amax(group_amax(dy2, r.grad_output), r.grad_output,
-                                                fallback=go_fallback if r.grad_output.granularity == "tensor" else 1.0)
-                qdy = quantize(dy2, r.grad_output, scale=amax_scale)
+            amax = group_amax(dy2, g)
+            scale, bad = scale_from_amax(amax, g, fallback=go_scale if g.granularity == "tensor" else 1.0)
+            if g.strategy == "delayed":  # the scale of past steps; the first cast, with no history, its own
+                scale = torch.where(go_updates == 0, scale, go_scale)
+            qdy = quantize(dy2, g, scale=scale)
             if ctx.telemetry_layer is not None:
                 ctx.telemetry_layer.telemetry["grad_output"] = _stats(dy2, qdy)
             # dgrad: dy [M, N] @ (Wᵀ [K, N])ᵀ
@@ -116,7 +117,9 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dyt = qdy.t() if r.grad_output.granularity == "tensor" else quantize(dy2.t(), r.grad_output)
                 xt = qx.t() if r.input.granularity == "tensor" else quantize(qx.dequantize().t(), r.input)
                 dw = scaled_matmul(dyt, xt, weight.dtype)
-        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, None, None
+        seen = torch.stack([amax if g.granularity == "tensor" else amax.new_zeros(()), bad.sum().float()]) \
+            if ctx.report else None
+        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None
 
 
 def _scaling_states(recipe: LinearRecipe, device) -> nn.ModuleDict:
@@ -149,12 +152,10 @@ class LowPrecisionLinear(nn.Linear):
         r, st = self.recipe, self.scaling
         scale_x = st["input"].scales_for(x.reshape(-1, x.shape[-1]), update, replay)
         scale_w = st["weight"].scales_for(self.weight, update, replay)
-        # Backward records into the output-gradient state when it must (delayed) or when it costs nothing (eager);
-        # under torch.compile, current scaling stays free of side effects so the GEMMs compile without a break.
-        keep_state = r.grad_output.strategy == "delayed" or not torch.compiler.is_compiling()
         go = st["grad_output"]
-        y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go if keep_state else None, go.scale,
-                                      update, self if self.telemetry_armed else None)
+        # Copies: the state may move on before this backward runs (another micro-batch's backward, a pipeline)
+        y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(), go.updates.clone(),
+                                      go.sink(x.device) if update else None, self if self.telemetry_armed else None)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

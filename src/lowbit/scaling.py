@@ -143,6 +143,7 @@ class ScalingState(nn.Module):
         # The scale the last recording cast used, so that a forward replayed by activation checkpointing casts
         # exactly as the original did (a delayed scale has moved on by then). Not checkpointed: it lives one step.
         self.register_buffer("last_used", torch.ones(()), persistent=False)
+        self.sink(self.scale.device)
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -158,16 +159,9 @@ class ScalingState(nn.Module):
             return self.last_used  # no new op: selective checkpointing replays ops by count
         amax = group_amax(x, s)
         if s.strategy == "current":
-            if s.granularity == "tensor":
-                scale, bad = scale_from_amax(amax, s, fallback=self.scale)
-                if update:
-                    self.scale.copy_(scale)
-                    self.amax_history[0] = amax
-            else:
-                scale, bad = scale_from_amax(amax, s)
+            scale, bad = scale_from_amax(amax, s, fallback=self.scale if s.granularity == "tensor" else 1.0)
             if update:
-                self.updates += 1
-                self.skipped += bad.sum()
+                self.observe(amax, bad.sum())
             return scale
         # delayed: cast with the scale derived from past steps, then fold this amax into the history. With no
         # history yet (the first step), cast with the current amax instead of TransformerEngine's initial scale
@@ -178,6 +172,41 @@ class ScalingState(nn.Module):
             self.last_used.copy_(scale)
             self.record(amax)
         return scale
+
+    @torch.no_grad()
+    def observe(self, amax: torch.Tensor, bad_groups: torch.Tensor) -> None:
+        """Account for one cast: `amax` (tensor granularity) and how many groups had a bad amax."""
+        s = self.spec
+        if s.strategy == "delayed":
+            self.record(amax)
+            return
+        if s.granularity == "tensor":
+            scale, _ = scale_from_amax(amax, s, fallback=self.scale)
+            self.scale.copy_(scale)
+            self.amax_history[0] = amax
+        self.updates += 1
+        self.skipped += bad_groups.to(torch.int64)
+
+    def sink(self, device: torch.device) -> torch.Tensor:
+        """A leaf tensor through which a backward pass reports what it cast: the autograd Function returns
+        [amax, bad groups] as this tensor's gradient, and a hook records it here once autograd has accumulated
+        it. The backward itself stays free of side effects, so torch.compile keeps it in one graph. (Made with
+        the module and on every move: a compiled region cannot create a tensor that requires grad.)"""
+        sink = self.__dict__.get("_sink")
+        if sink is None or sink.device != torch.device(device):
+            sink = torch.zeros(2, device=device, requires_grad=True)
+            sink.register_post_accumulate_grad_hook(self._observed)
+            self.__dict__["_sink"] = sink
+        return sink
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        self.sink(self.scale.device)
+        return out
+
+    def _observed(self, sink: torch.Tensor) -> None:
+        g, sink.grad = sink.grad, None
+        self.observe(g[0], g[1])
 
     @torch.no_grad()
     def record(self, amax: torch.Tensor) -> None:

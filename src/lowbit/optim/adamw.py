@@ -15,6 +15,7 @@ the scale of its own amax (one rounding per micro-batch, never an overflow).
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -35,11 +36,11 @@ class GradStore:
         self.filled = False
 
     def add(self, g: torch.Tensor) -> None:
-        g = g.float()
-        self.nonfinite |= ~torch.isfinite(g.abs().amax())  # an FP8 cast would saturate an Inf into a finite value
         if self.filled:
-            g = g + decode(self.data, self.kind, self.scale)
-        encode(g, self.kind, self.scale, out=self.data)
+            g = g.float() + decode(self.data, self.kind, self.scale)
+        amax = g.abs().amax().float()
+        self.nonfinite |= ~torch.isfinite(amax)  # an FP8 cast would saturate an Inf into a finite value
+        encode(g, self.kind, self.scale, out=self.data, amax=amax)
         self.filled = True
 
     def value(self) -> torch.Tensor:
@@ -50,10 +51,11 @@ class GradStore:
         self.nonfinite.zero_()
 
 
-def _update(p, g, m, m_scale, v, v_scale, master, master_scale, step, lr, beta1, beta2, eps, wd,
+def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
             kinds: tuple[str, str, str]):
     """One AdamW step in fp32 on stored states (in place). `step`, `lr`: 0-dim tensors (no recompiles)."""
     k_m, k_v, k_master = kinds
+    g = decode(g, g_kind, g_scale)
     step += 1
     m32 = decode(m, k_m, m_scale).lerp_(g, 1 - beta1)
     v32 = decode(v, k_v, v_scale).mul_(beta2).addcmul_(g, g, value=1 - beta2)
@@ -66,6 +68,16 @@ def _update(p, g, m, m_scale, v, v_scale, master, master_scale, step, lr, beta1,
     if k_master != "none":
         encode(w, k_master, master_scale, out=master)
     p.copy_(w)
+
+
+def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds):
+    """Every tensor of a group: one compiled graph on GPU (one launch of guards, kernels fused per tensor)."""
+    for item in items:
+        _update(*item, lr, beta1, beta2, eps, kinds)
+
+
+def _stored_norms(datas: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack([d.float().norm() / s for d, s in zip(datas, scales)])
 
 
 class LowbitAdamW(torch.optim.Optimizer):
@@ -84,7 +96,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         self._grads: dict[torch.Tensor, GradStore] = {}
         self._compile = compile
-        self._update_fn = None
+        self._compiled: dict[str, object] = {}
         for group in self.param_groups:
             prec = group["precision"]
             if isinstance(prec, dict):
@@ -110,11 +122,15 @@ class LowbitAdamW(torch.optim.Optimizer):
         p.data = p.data.to(KINDS[prec.weights][0])
         if prec.grads != prec.weights:
             self._grads[p] = GradStore(p, prec.grads)
-            p.register_post_accumulate_grad_hook(self._take_grad)
+            owner = weakref.ref(self)  # an optimizer that is gone leaves the parameter's gradients alone
 
-    def _take_grad(self, p: torch.Tensor) -> None:
-        self._grads[p].add(p.grad)
-        p.grad = None
+            def take(param: torch.Tensor) -> None:
+                opt = owner()
+                if opt is not None and param.grad is not None:
+                    opt._grads[param].add(param.grad)
+                    param.grad = None
+
+            p.register_post_accumulate_grad_hook(take)
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The current gradient of `p` in fp32 (None if it has none)."""
@@ -135,7 +151,9 @@ class LowbitAdamW(torch.optim.Optimizer):
         plain = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         stored = [s for s in self._grads.values() if s.filled]
         norms = [n.float() for n in torch._foreach_norm(plain)] if plain else []
-        norms += [s.data.float().norm() / s.scale for s in stored]
+        if stored:
+            norms += list(self._fn(_stored_norms, stored[0].data.device)([s.data for s in stored],
+                                                                          [s.scale for s in stored]))
         if not norms:
             return torch.zeros(())
         total = torch.linalg.vector_norm(torch.stack(norms))
@@ -153,11 +171,14 @@ class LowbitAdamW(torch.optim.Optimizer):
                     s.data.mul_(coef.to(s.data.dtype))
         return total
 
-    def _fn(self, device: torch.device):
-        if self._update_fn is None:
-            use = self._compile if self._compile is not None else device.type == "cuda"
-            self._update_fn = torch.compile(_update, dynamic=False) if use else _update
-        return self._update_fn
+    def _fn(self, fn, device: torch.device):
+        """`fn`, compiled where it pays (GPU, unless the constructor's `compile` says otherwise)."""
+        use = self._compile if self._compile is not None else device.type == "cuda"
+        if not use:
+            return fn
+        if fn.__name__ not in self._compiled:
+            self._compiled[fn.__name__] = torch.compile(fn, dynamic=False)
+        return self._compiled[fn.__name__]
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -183,20 +204,28 @@ class LowbitAdamW(torch.optim.Optimizer):
                                         beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
                                         maximize=False)
                 continue
-            kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master)
-            lr = torch.tensor(group["lr"], device=pairs[0][0].device)  # a tensor: no recompiles as lr changes
+            device = pairs[0][0].device
+            items = []
             for (p, g), wd in zip(pairs, wd_of):
                 st = self.state[p]
-                fn = self._fn(p.device)
-                fn(p, g, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
-                   st.get("master", st["step"]), st.get("master_scale", st["step"]), st["step"], lr, beta1, beta2,
-                   group["eps"], wd, kinds)
+                store = self._grads.get(p)
+                grad = (store.data, store.scale, store.kind) if store is not None else (g, st["step"], "fp32")
+                items.append((p, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
+                              st["exp_avg_sq_scale"], st.get("master", st["step"]), st.get("master_scale", st["step"]),
+                              st["step"], wd))
+            lr = torch.tensor(group["lr"], device=device)  # a tensor: no recompiles as lr changes
+            self._fn(_update_all, device)(items, lr, beta1, beta2, group["eps"],
+                                          (prec.exp_avg, prec.exp_avg_sq, prec.master))
         return loss
 
     def _grad_for_step(self, p, prec: StatePrecision):
+        """What marks `p` as having a gradient this step (the data itself is read in the update)."""
         if prec.all_fp32:
             return p.grad
-        return self.grad_of(p)
+        store = self._grads.get(p)
+        if store is not None:
+            return store.data if store.filled else None
+        return p.grad
 
     # ---- checkpoints: states are restored exactly as stored (torch's default would cast them to the weights'
     # dtype, turning an FP8 moment into bf16) ----

@@ -79,12 +79,13 @@ def _pow2_scale(amax: torch.Tensor, fmax: float, old: torch.Tensor) -> torch.Ten
     return torch.where(good, s, old)
 
 
-def encode(x: torch.Tensor, kind: str, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Store fp32 `x` as `kind` (into `out` if given); updates the per-tensor `scale` in place for scaled kinds.
-    Returns the stored data."""
+def encode(x: torch.Tensor, kind: str, scale: torch.Tensor, out: torch.Tensor | None = None,
+           amax: torch.Tensor | None = None) -> torch.Tensor:
+    """Store `x` as `kind` (into `out` if given); updates the per-tensor `scale` in place for scaled kinds (from
+    `amax` if the caller has it). Returns the stored data."""
     dtype, scaled, fmax = KINDS[kind]
     if scaled:
-        scale.copy_(_pow2_scale(x.abs().amax(), fmax, scale))
+        scale.copy_(_pow2_scale(x.abs().amax() if amax is None else amax, fmax, scale))
         data = (x * scale).clamp_(-fmax, fmax).to(dtype)
     else:
         data = x.to(dtype)
