@@ -76,6 +76,18 @@ def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds):
         _update(*item, lr, beta1, beta2, eps, kinds)
 
 
+CHUNK = 8  # tensors per compiled update call: few calls, yet graphs small enough to compile in seconds
+
+
+def _chunks(items: list[tuple]) -> list[list[tuple]]:
+    """Runs of CHUNK items with the same weight decay. The update is compiled with dynamic shapes, so every full
+    chunk, whatever its tensors' shapes, reuses one graph (plus one for a shorter last chunk)."""
+    by_wd: dict[float, list[tuple]] = {}
+    for item in items:
+        by_wd.setdefault(item[-1], []).append(item)
+    return [run[i:i + CHUNK] for run in by_wd.values() for i in range(0, len(run), CHUNK)]
+
+
 def _stored_norms(datas: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([d.float().norm() / s for d, s in zip(datas, scales)])
 
@@ -151,9 +163,9 @@ class LowbitAdamW(torch.optim.Optimizer):
         plain = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         stored = [s for s in self._grads.values() if s.filled]
         norms = [n.float() for n in torch._foreach_norm(plain)] if plain else []
-        if stored:
-            norms += list(self._fn(_stored_norms, stored[0].data.device)([s.data for s in stored],
-                                                                          [s.scale for s in stored]))
+        for i in range(0, len(stored), CHUNK):
+            run = stored[i:i + CHUNK]
+            norms += list(self._fn(_stored_norms, run[0].data.device)([s.data for s in run], [s.scale for s in run]))
         if not norms:
             return torch.zeros(())
         total = torch.linalg.vector_norm(torch.stack(norms))
@@ -177,7 +189,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         if not use:
             return fn
         if fn.__name__ not in self._compiled:
-            self._compiled[fn.__name__] = torch.compile(fn, dynamic=False)
+            self._compiled[fn.__name__] = torch.compile(fn, dynamic=True)
         return self._compiled[fn.__name__]
 
     @torch.no_grad()
@@ -214,8 +226,9 @@ class LowbitAdamW(torch.optim.Optimizer):
                               st["exp_avg_sq_scale"], st.get("master", st["step"]), st.get("master_scale", st["step"]),
                               st["step"], wd))
             lr = torch.tensor(group["lr"], device=device)  # a tensor: no recompiles as lr changes
-            self._fn(_update_all, device)(items, lr, beta1, beta2, group["eps"],
-                                          (prec.exp_avg, prec.exp_avg_sq, prec.master))
+            kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master)
+            for chunk in _chunks(items):
+                self._fn(_update_all, device)(chunk, lr, beta1, beta2, group["eps"], kinds)
         return loss
 
     def _grad_for_step(self, p, prec: StatePrecision):
