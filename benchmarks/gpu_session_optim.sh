@@ -14,6 +14,6 @@ case "${1:-all}" in
     timeout 300 python3 benchmarks/optim_1b.py --steps 10 --recipes fp8lm,nanotron-r2 --no-optimizer-only \
       --out "$OUT/optim_1b_more.json" 2>&1 | tee "$OUT/optim_1b_more.txt" | grep -v -E "^(W|I)[0-9]{4}|warn" | tail -12 ;;&
   tests|all)
-    timeout 240 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_optim.py \
+    timeout 540 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py tests/test_optim.py \
       "tests/test_linear.py::test_compiles_in_one_graph_and_backward_still_records" 2>&1 | tee "$OUT/pytest_gpu_optim.txt" | tail -15 ;;
 esac
