@@ -18,7 +18,9 @@ from lowbit.tools.fidelity import linear_fidelity
 LOW = [name for name, r in RECIPES.items() if r.linear is not None]
 # fp8lm-o1 and fp8lm-o3 differ from the trained fp8lm and fp8lm-o2 only in optimizer storage between them; their
 # 200-step results are in docs/numerics.md and tests/test_optim.py runs them for a few steps (suite time).
-TRAINED = [name for name in RECIPES if name not in ("fp8lm-o1", "fp8lm-o3")]
+# The FP4 ablations are compared with fp4 in docs/numerics.md; tests/test_fp4.py runs them for a few steps.
+TRAINED = [name for name in RECIPES if name not in ("fp8lm-o1", "fp8lm-o3", "fp4-no-dge", "fp4-no-occ",
+                                                    "fp4-weights-only")]
 
 
 def emulate(a: QTensor, b: QTensor) -> torch.Tensor:
@@ -162,10 +164,11 @@ def recipe_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("recipe", [r for r in LOW if r in TRAINED])
 def test_every_recipe_trains_within_2_percent_of_bf16(recipe_runs, recipe):
+    """FP8 recipes: 2%. FP4 (the paper's gap at 1.3B is 2.4% after 100B tokens): 5%."""
     from conftest import read_metrics
 
     base, run = losses(recipe_runs / "bf16", "val_loss")[200], losses(recipe_runs / recipe, "val_loss")[200]
-    assert abs(run - base) / base <= 0.02, (recipe, run, base)
+    assert abs(run - base) / base <= (0.05 if recipe.startswith("fp4") else 0.02), (recipe, run, base)
     # and the run really was in low precision: every block linear reported numerics telemetry
     telemetry = [r["numerics"] for r in read_metrics(recipe_runs / recipe) if "numerics" in r]
     assert telemetry and len(telemetry[-1]) == 4 * 7
@@ -230,15 +233,18 @@ def test_wgrad_in_high_precision():
     assert err[True] < err[False]  # only the input's FP8 rounding is left
 
 
-@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed", "fp8-rowwise"])
+@pytest.mark.parametrize("recipe", LOW)
 def test_compiles_in_one_graph_and_backward_still_records(recipe):
     """No graph break, delayed scaling included: backward reports its output-gradient amax through the state's
     sink tensor instead of writing the state (which would force a break)."""
     from lowbit.recipes import get_recipe
 
+    torch._dynamo.reset()  # each recipe is a new guard set on the same code: do not count earlier ones
     torch.manual_seed(0)
-    layer = LowPrecisionLinear.from_linear(torch.nn.Linear(64, 32, bias=False), get_recipe(recipe).linear)
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    linear = get_recipe(recipe).linear
+    layer = LowPrecisionLinear.from_linear(torch.nn.Linear(64, 32, bias=False), linear)
+    # OCC's sparse residual cannot be traced: those layers run eagerly inside a compiled model (a graph break)
+    compiled = torch.compile(layer, fullgraph=linear.occ is None, backend="aot_eager")
     for step in range(2):
         compiled(torch.randn(16, 64)).pow(2).sum().backward()
     go = layer.scaling["grad_output"]

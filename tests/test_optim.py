@@ -313,3 +313,32 @@ def test_other_fp8lm_levels_train(recipe, tmp_path, capsys):
     assert code == 0, err
     run = losses(tmp_path)
     assert all(math.isfinite(v) for v in run.values()) and run[6] < run[1]
+
+
+def test_a_skipped_step_leaves_no_bad_scale_behind():
+    params = _params()[:2]
+    opt = LowbitAdamW(params, precision=StatePrecision(grads="e4m3"))
+    grads = _grads(0, [p.shape for p in params])
+    grads[0][0, 0] = float("nan")
+    _backward(params, grads)
+    assert not math.isfinite(opt.clip_grad_norm_(1.0).item())  # clipping a bad step must not touch the scales
+    opt.zero_grad()
+    _backward(params, [torch.zeros(p.shape) for p in params])  # then all-zero gradients: amax 0 keeps the scale
+    assert opt.clip_grad_norm_(1.0).item() == 0
+    assert all(torch.isfinite(s.scale) and s.scale > 0 for s in opt._grads.values())
+
+
+def test_add_param_group_and_a_second_optimizer_on_the_same_parameters():
+    first, later = _params()[:1], _params(seed=3)[:1]
+    prec = StatePrecision(grads="e4m3", exp_avg="e4m3")
+    opt = LowbitAdamW(first, precision=prec)
+    opt.add_param_group({"params": later, "precision": prec})
+    _backward(first + later, _grads(0, [first[0].shape, later[0].shape]))
+    before = later[0].detach().clone()
+    opt.step()
+    assert not torch.equal(later[0], before) and opt.state[later[0]]["exp_avg"].dtype == torch.float8_e4m3fn
+    # a new optimizer over the same parameter takes its gradients from then on (the old one's hook lets go)
+    opt.zero_grad()
+    again = LowbitAdamW(first, precision=StatePrecision())
+    _backward(first, _grads(1, [first[0].shape]))
+    assert first[0].grad is not None and again.grad_of(first[0]) is not None

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.fp4 import DGE, OCC, dge_factor, occ_split
 from lowbit.gemm import scaled_matmul
 from lowbit.qtensor import QTensor, quantize
 from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
@@ -35,6 +36,8 @@ class LinearRecipe:
     grad_output: Scaling = Scaling("e5m2")
     wgrad_hp: bool = False  # compute dW = dyᵀ·x in the autocast dtype instead of low precision
     fast_accum_fprop: bool = True  # fprop on GPU with fast FP8 accumulation (as torchao); dgrad/wgrad never
+    dge: DGE | None = None  # FP4 weights: differentiable gradient estimator instead of straight-through
+    occ: OCC | None = None  # outlier clamping of the input with sparse high-precision compensation
 
 
 def _in_backward() -> bool:
@@ -74,18 +77,21 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_updates, go_sink,
-                telemetry_layer):
+                telemetry_layer, x_clamped=None, residual=None):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
         with torch.autocast(x.device.type, enabled=False):
             qx = quantize(x2, r.input, scale=scale_x)
             qw = quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
+            if residual is not None:  # OCC compensation: the outliers' share, sparse, in the weights' precision
+                y = (y.float() + torch.sparse.mm(residual.to(weight.dtype), weight.t()).float()).to(out_dtype)
         if telemetry_layer is not None:
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
-        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_scale, go_updates)
+        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_scale, go_updates, qw.scale_inv)
+        ctx.residual = residual
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
         ctx.recipe, ctx.report, ctx.telemetry_layer = r, go_sink is not None, telemetry_layer
@@ -94,7 +100,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        qx_data, qx_scale_inv, weight, go_scale, go_updates = ctx.saved_tensors
+        qx_data, qx_scale_inv, weight, go_scale, go_updates, w_scale_inv = ctx.saved_tensors
         r = ctx.recipe
         g = r.grad_output
         qx = QTensor(qx_data, qx_scale_inv, r.input)
@@ -117,9 +123,14 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dyt = qdy.t() if r.grad_output.granularity == "tensor" else quantize(dy2.t(), r.grad_output)
                 xt = qx.t() if r.input.granularity == "tensor" else quantize(qx.dequantize().t(), r.input)
                 dw = scaled_matmul(dyt, xt, weight.dtype)
+            if ctx.residual is not None:  # the compensation term's weight gradient: dyᵀ · ΔY
+                dw = dw + torch.sparse.mm(ctx.residual.t().to(torch.float32), dy2.float()).t().to(dw.dtype)
+            if r.dge is not None:  # DGE: dL/dW = dL/dWq · f'(W scaled onto the grid)
+                scaled = weight.float() / expand_groups(w_scale_inv.float(), r.weight, weight.shape)
+                dw = (dw.float() * dge_factor(scaled, r.dge)).to(dw.dtype)
         seen = torch.stack([amax if g.granularity == "tensor" else amax.new_zeros(()), bad.sum().float()]) \
             if ctx.report else None
-        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None
+        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None
 
 
 def _scaling_states(recipe: LinearRecipe, device) -> nn.ModuleDict:
@@ -147,19 +158,34 @@ class LowPrecisionLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recipe.occ is not None:
+            return self._forward_eager(x)
+        return self._forward(x)
+
+    @torch.compiler.disable
+    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
+        """OCC's residual is a sparse tensor, which torch.compile cannot trace: such a layer runs eagerly."""
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         replay = _in_backward()  # activation checkpointing recomputes this forward
         update = self.training and torch.is_grad_enabled() and not replay
         r, st = self.recipe, self.scaling
-        scale_x = st["input"].scales_for(x.reshape(-1, x.shape[-1]), update, replay)
+        x2, residual = x.reshape(-1, x.shape[-1]), None
+        if r.occ is not None:  # clamp outliers; straight-through for x, the residual is compensated in the Function
+            x2, residual = occ_split(x2.detach(), r.occ)
+        scale_x = st["input"].scales_for(x2, update, replay)
         scale_w = st["weight"].scales_for(self.weight, update, replay)
         go = st["grad_output"]
         # Copies: the state may move on before this backward runs (another micro-batch's backward, a pipeline)
         y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(), go.updates.clone(),
-                                      go.sink(x.device) if update else None, self if self.telemetry_armed else None)
+                                      go.sink(x.device) if update else None, self if self.telemetry_armed else None,
+                                      x2 if r.occ is not None else None, residual)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         r = self.recipe
         return (f"{self.in_features}, {self.out_features}, input={r.input.fmt}/{r.input.granularity}, "
                 f"weight={r.weight.fmt}/{r.weight.granularity}, grad_output={r.grad_output.fmt}/"
-                f"{r.grad_output.granularity}{', wgrad_hp' if r.wgrad_hp else ''}")
+                f"{r.grad_output.granularity}{', wgrad_hp' if r.wgrad_hp else ''}"
+                f"{f', dge k={r.dge.k}' if r.dge else ''}{f', occ alpha={r.occ.alpha}' if r.occ else ''}")

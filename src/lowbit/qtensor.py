@@ -1,7 +1,7 @@
 """QTensor: quantized data + the scale_inv of each scaling group + how it was scaled.
 
-`data` is a torch float8 tensor for E4M3/E5M2 (what `torch._scaled_mm` takes), and fp32 values on the grid for
-formats torch has no dtype for (FP4, FP6). Dequantized value = data * scale_inv (broadcast over groups).
+`data` is a torch float8 tensor: E4M3/E5M2 as such (what `torch._scaled_mm` takes), and formats torch has no
+dtype for (FP4, FP6) as E4M3 bytes holding their grid values, all of which E4M3 represents exactly. Dequantized value = data * scale_inv (broadcast over groups).
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = Fa
         # torch's float8 casts round to nearest even; clamping first makes them saturate (NaN stays NaN)
         return y.clamp(-fmt.max, fmt.max).to(fmt.torch_dtype)
     q = fmt.quantize(y, stochastic=stochastic, generator=generator)
-    return q.to(fmt.torch_dtype) if fmt.torch_dtype is not None else q
+    # FP4/FP6 grids are subsets of E4M3: stored as E4M3 bytes, exactly, which is what an FP8 tensor core takes
+    return q.to(fmt.torch_dtype or torch.float8_e4m3fn)
 
 
 def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, update: bool = False,

@@ -9,6 +9,7 @@ from dataclasses import dataclass, replace
 from torch import nn
 
 from lowbit.errors import LowbitError
+from lowbit.fp4 import DGE, OCC, check_fp4_dims
 from lowbit.linear import LinearRecipe, LowPrecisionLinear
 from lowbit.optim.precision import StatePrecision
 from lowbit.scaling import Scaling
@@ -37,6 +38,12 @@ _FP8LM_LINEAR = _fp8(Scaling("e4m3", **_FP8LM_WINDOW), Scaling("e4m3", pow2=True
 _O1 = StatePrecision(grads="e4m3")
 _O2 = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
 
+# FP4 (Wang et al. 2025): E2M1 weights per output channel, E2M1 activations per token, E4M3 row-wise gradients
+# (the row-wise FP8 kernel takes E4M3 only); FP8 weight gradients and first moment, FP16 second moment.
+_FP4 = LinearRecipe(input=Scaling("e2m1", "row"), weight=Scaling("e2m1", "row"), grad_output=Scaling("e4m3", "row"),
+                    dge=DGE(), occ=OCC())
+_FP4_OPTIM = StatePrecision(grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+
 RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("bf16", "baseline: every linear computes in train.dtype (bf16 autocast on GPU)"),
     Recipe("fp8-tensorwise", "FP8, one current scale per tensor: E4M3 forward, E5M2 gradients (torchao tensorwise)",
@@ -56,6 +63,14 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            "moments in FP8 (E4M3, E5M2), gradient clipping required",
            _fp8(Scaling("e4m3", **_NANOTRON), Scaling("e4m3"), Scaling("e5m2", **_NANOTRON)),
            optim=StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2"), needs_grad_clip=True),
+    Recipe("fp4", "FP4 training (Wang et al. 2025): E2M1 weights (per channel, DGE k=5) and activations (per token, "
+           "OCC alpha 0.99), E4M3 gradients, FP8 weight gradients and first moment, FP16 second moment",
+           _FP4, optim=_FP4_OPTIM),
+    Recipe("fp4-weights-only", "fp4 with FP8 (E4M3, per token) activations: E2M1 weights with DGE only",
+           replace(_FP4, input=Scaling("e4m3", "row"), occ=None), optim=_FP4_OPTIM),
+    Recipe("fp4-no-dge", "fp4 ablation: straight-through weight gradients", replace(_FP4, dge=None), optim=_FP4_OPTIM),
+    Recipe("fp4-no-occ", "fp4 ablation: no outlier clamping or compensation", replace(_FP4, occ=None),
+           optim=_FP4_OPTIM),
     Recipe("fp8-rowwise", "FP8 with a scale per row (token / output channel), E4M3 throughout (torchao rowwise)",
            _fp8(Scaling("e4m3", "row"), Scaling("e4m3", "row"), Scaling("e4m3", "row"))),
     Recipe("fp8-blockwise", "DeepSeek-V3 FP8: 1x128 activation and gradient tiles, 128x128 weight blocks, "
@@ -111,6 +126,8 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
         if reason:
             report["kept"].append(f"{name} ({reason})")
             continue
+        if "e2m1" in (recipe.linear.input.fmt, recipe.linear.weight.fmt):
+            check_fp4_dims(name, module.in_features, module.out_features)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LowPrecisionLinear.from_linear(module, recipe.linear))

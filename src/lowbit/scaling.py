@@ -205,6 +205,8 @@ class ScalingState(nn.Module):
         return out
 
     def _observed(self, sink: torch.Tensor) -> None:
+        # A layer run n times in one backward gets its n reports summed by autograd: the amax recorded is then
+        # the sum (too large: a smaller scale, never an overflow). lowbit's models run each layer once.
         g, sink.grad = sink.grad, None
         self.observe(g[0], g[1])
 

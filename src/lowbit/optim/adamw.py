@@ -7,7 +7,8 @@ run torch's fused AdamW kernel.
 
 Gradients stored below the weights' precision (FP8, or bf16 for fp32 weights) are taken from autograd by a
 post-accumulate hook: the wgrad GEMM's output (which every GEMM writes in high precision) is quantized and freed
-as soon as it is accumulated, so at most one layer's high-precision gradient lives at a time. Micro-batches
+as soon as it is accumulated: in eager mode, at most one layer's high-precision gradient lives at a time; a
+compiled backward hands all of them over together, so there the peak holds every one once. Micro-batches
 accumulate by rescaling: the stored gradient is decoded, the new one added in fp32, and the sum re-encoded with
 the scale of its own amax (one rounding per micro-batch, never an overflow).
 """
@@ -49,6 +50,14 @@ class GradStore:
     def clear(self) -> None:
         self.filled = False
         self.nonfinite.zero_()
+        self.scale.fill_(1.0)  # a skipped step's clipping may have left a NaN scale
+
+
+def _take_grad(p: torch.Tensor) -> None:
+    owner = p._lowbit_grad_owner() if p._lowbit_grad_owner is not None else None
+    if owner is not None and p.grad is not None:
+        owner._grads[p].add(p.grad)
+        p.grad = None
 
 
 def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
@@ -105,17 +114,20 @@ class LowbitAdamW(torch.optim.Optimizer):
             raise LowbitError(f"optimizer: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decay_1d=decay_1d,
                         precision=precision, covered=False)
-        super().__init__(params, defaults)
         self._grads: dict[torch.Tensor, GradStore] = {}
         self._compile = compile
         self._compiled: dict[str, object] = {}
-        for group in self.param_groups:
-            prec = group["precision"]
-            if isinstance(prec, dict):
-                prec = StatePrecision(**prec)
-            group["precision"] = prec.__dict__.copy()  # plain strings: state_dict stays loadable anywhere
-            for p in group["params"]:
-                self._init_param(p, prec)
+        self._placeholder: dict[torch.device, torch.Tensor] = {}
+        super().__init__(params, defaults)  # calls add_param_group for each group
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        prec = group["precision"]
+        prec = StatePrecision(**prec) if isinstance(prec, dict) else prec
+        group["precision"] = dict(prec.__dict__)  # plain strings: state_dict stays loadable anywhere
+        for p in group["params"]:
+            self._init_param(p, prec)
 
     @staticmethod
     def precision_of(group) -> StatePrecision:
@@ -132,17 +144,14 @@ class LowbitAdamW(torch.optim.Optimizer):
             st[f"{name}_scale"] = torch.ones((), device=p.device)
             st[name] = encode(init, kind, st[f"{name}_scale"])
         p.data = p.data.to(KINDS[prec.weights][0])
+        # One hook per parameter, taking gradients for whichever optimizer holds it last (none: left alone).
+        p._lowbit_grad_owner = None
         if prec.grads != prec.weights:
             self._grads[p] = GradStore(p, prec.grads)
-            owner = weakref.ref(self)  # an optimizer that is gone leaves the parameter's gradients alone
-
-            def take(param: torch.Tensor) -> None:
-                opt = owner()
-                if opt is not None and param.grad is not None:
-                    opt._grads[param].add(param.grad)
-                    param.grad = None
-
-            p.register_post_accumulate_grad_hook(take)
+            p._lowbit_grad_owner = weakref.ref(self)
+            if not getattr(p, "_lowbit_grad_hooked", False):
+                p.register_post_accumulate_grad_hook(_take_grad)
+                p._lowbit_grad_hooked = True
 
     def grad_of(self, p: torch.Tensor) -> torch.Tensor | None:
         """The current gradient of `p` in fp32 (None if it has none)."""
@@ -174,6 +183,7 @@ class LowbitAdamW(torch.optim.Optimizer):
             total = torch.where(bad, torch.full_like(total, float("nan")), total)
         if max_norm and math.isfinite(max_norm):
             coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
+            coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))  # a bad step is skipped, not scaled
             if plain:
                 torch._foreach_mul_(plain, coef.to(plain[0].device))
             for s in stored:
@@ -217,13 +227,14 @@ class LowbitAdamW(torch.optim.Optimizer):
                                         maximize=False)
                 continue
             device = pairs[0][0].device
+            none = self._placeholder.setdefault(device, torch.ones((), device=device))  # for absent states
             items = []
             for (p, g), wd in zip(pairs, wd_of):
                 st = self.state[p]
                 store = self._grads.get(p)
-                grad = (store.data, store.scale, store.kind) if store is not None else (g, st["step"], "fp32")
+                grad = (store.data, store.scale, store.kind) if store is not None else (g, none, "fp32")
                 items.append((p, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
-                              st["exp_avg_sq_scale"], st.get("master", st["step"]), st.get("master_scale", st["step"]),
+                              st["exp_avg_sq_scale"], st.get("master", none), st.get("master_scale", none),
                               st["step"], wd))
             lr = torch.tensor(group["lr"], device=device)  # a tensor: no recompiles as lr changes
             kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master)

@@ -9,7 +9,8 @@ scale of the global amax (an all-reduce MAX of amaxes). The scale fits each grad
           values that overflow exceeds a threshold (default 0.001%) and doubles after a window of clean steps
 
 `fp8_sum` is the exact function of such a reduction in rank order (each partial sum rounded to the format, as an
-FP8 ring reduction does); the distributed gradient sync feeds it the gathered gradients of the ranks.
+FP8 ring reduction does). Nothing in training calls it yet: a single process has no ranks to reduce over; it is
+the reference the distributed gradient sync (to come) will be built and tested against.
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ def fp8_sum(parts: list[torch.Tensor], mode: str = "auto", fmt: str = "e4m3", mu
         return x.clamp(-f.max, f.max).to(f.torch_dtype).float()
 
     acc = cast(parts[0].float() * (factor * scale))
-    overflow = torch.zeros((), device=acc.device)
+    overflow = torch.zeros(acc.shape, dtype=torch.bool, device=acc.device)
     for p in parts[1:]:
         s = acc + cast(p.float() * (factor * scale))
-        overflow += (s.abs() > f.max).sum()
+        overflow |= s.abs() > f.max
         acc = cast(s)
-    return acc / (scale * factor * n), overflow.item() / parts[0].numel()
+    return acc / (scale * factor * n), overflow.float().mean().item()

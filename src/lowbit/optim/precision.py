@@ -70,8 +70,10 @@ def fp32_default() -> StatePrecision:
 
 
 def _pow2_scale(amax: torch.Tensor, fmax: float, old: torch.Tensor) -> torch.Tensor:
-    """The largest power of two s with amax * s <= fmax; the old scale when amax is 0, NaN or Inf."""
+    """The largest power of two s with amax * s <= fmax; the old scale when amax is 0, NaN or Inf (1 if the old
+    one is not a usable scale either)."""
     a = amax.float()
+    old = torch.where(torch.isfinite(old) & (old > 0), old, torch.ones_like(old))
     good = torch.isfinite(a) & (a > 0)
     safe = torch.where(good, a, torch.ones_like(a))
     s = torch.exp2(torch.floor(torch.log2(fmax / safe)).clamp(-126, 126))

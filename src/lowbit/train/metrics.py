@@ -64,6 +64,12 @@ class Metrics:
                 if k != "step" and isinstance(v, (int, float)):
                     self.tb.add_scalar(("val/" if k.startswith("val") else "train/") + k, v, record["step"])
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the records of steps after `step` (a rollback redoes them); keeps logging to the file."""
+        self.file.close()
+        truncate_after(self.path, step)
+        self.file = open(self.path, "a")
+
     def close(self) -> None:
         self.file.close()
         if self.tb is not None:

@@ -68,6 +68,11 @@ def build_optimizer(model: torch.nn.Module, recipe, precision: StatePrecision, c
                        weight_decay=t.weight_decay)
 
 
+def _finite_or_none(v: float) -> float | None:
+    """JSON has no NaN: a skipped step's loss or norm is written as null."""
+    return v if math.isfinite(v) else None
+
+
 def _rng_state(device: torch.device) -> dict:
     state = {"torch": torch.get_rng_state(), "python": list(random.getstate()[1])}
     if device.type == "cuda":
@@ -257,6 +262,7 @@ def train(cfg: Config) -> dict:
         back = restore(good, ckpt.load(good))
         print(f"lowbit: {t.rollback_after} consecutive bad steps up to step {bad_step}: rolled back to {good} "
               f"(step {back[0]})", flush=True)
+        metrics.truncate_after(back[0])  # the steps after it are redone
         metrics.log({"step": back[0], "rollback": {"from": bad_step, "to": back[0], "checkpoint": str(good)}})
         return back
 
@@ -301,14 +307,15 @@ def train(cfg: Config) -> dict:
                 memory_reported = True
             optimizer.zero_grad(set_to_none=True)
             if bad_run >= t.rollback_after:
-                metrics.log({"step": step, "skipped": True, "skipped_steps": skipped})
                 step, tokens_seen = rollback(step)
                 bad_run = 0
+                window_t0, window_tokens = time.perf_counter(), 0
                 continue
             tokens_seen += tokens_per_step
             window_tokens += tokens_per_step
 
-            record = {"step": step, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
+            record = {"step": step, "loss": _finite_or_none(loss_value), "lr": lr,
+                      "grad_norm": _finite_or_none(grad_norm.item()),
                       "tokens": tokens_seen, **({"skipped": not finite, "skipped_steps": skipped} if skipped else {})}
             if step == start_step + 1:  # the first step pays for compilation and warm-up: time from here on
                 run_t0, window_t0, window_tokens = time.perf_counter(), time.perf_counter(), 0
@@ -327,7 +334,7 @@ def train(cfg: Config) -> dict:
             if telemetry:
                 metrics.log({"step": step, "numerics": {name: dict(layer.telemetry)
                                                          for name, layer in lp_layers.items()}})
-            summary.update(step=step, loss=loss_value)
+            summary.update(step=step, loss=_finite_or_none(loss_value))
 
             end = step == last_step or stop.requested
             pause_t0 = time.perf_counter()  # validation and checkpoints are kept out of tokens/s and the ETA
