@@ -61,7 +61,7 @@ def quantile_cost(x: torch.Tensor, alpha: float = 0.99, reps: int = 5) -> dict:
     out = {}
     exact = abs_quantile(x, alpha, "exact")
     for name, fn in [("kthvalue (exact)", lambda: abs_quantile(x, alpha, "exact")),
-                     ("strided sample", lambda: abs_quantile(x, alpha, "sample")),
+                     ("token sample", lambda: abs_quantile(x, alpha, "sample")),
                      ("torch.quantile (sort)", lambda: torch.quantile(x.abs().flatten()[: 1 << 24], alpha))]:
         fn()
         t0 = time.perf_counter()

@@ -44,24 +44,57 @@ def test_dge_limits_straight_through_and_hard_quantizer():
     assert (far - GRID.quantize(x.float()).double()).abs().max() < 0.05
 
 
-def test_dge_changes_weight_gradients_only():
+def _layer(occ, dge, weight):
     from lowbit.linear import LinearRecipe, LowPrecisionLinear
     from lowbit.scaling import Scaling
 
-    torch.manual_seed(0)
-    base = torch.nn.Linear(64, 32, bias=False)
-    x = torch.randn(16, 64)
-    grads = {}
-    for dge in (None, DGE()):
-        r = LinearRecipe(Scaling("e2m1", "row"), Scaling("e2m1", "row"), Scaling("e4m3", "row"), dge=dge)
-        layer = LowPrecisionLinear.from_linear(torch.nn.Linear(64, 32, bias=False), r)
-        layer.weight.data.copy_(base.weight.data)
-        xi = x.clone().requires_grad_()
-        layer(xi).pow(2).sum().backward()
-        grads[dge is not None] = (xi.grad, layer.weight.grad)
-    assert torch.equal(grads[False][0], grads[True][0])
-    ratio = grads[True][1] / grads[False][1]
+    r = LinearRecipe(Scaling("e2m1", "row"), Scaling("e2m1", "row"), Scaling("e4m3", "row"), dge=dge, occ=occ)
+    layer = LowPrecisionLinear.from_linear(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), r)
+    layer.weight.data.copy_(weight)
+    return layer
+
+
+def test_fp4_forward_and_backward_against_a_reference():
+    """y = Q(clamp x)·Q(W)ᵀ + ΔY·Wᵀ; dx straight-through (as without OCC); dW = (quantized-path wgrad)·f' + dyᵀ·ΔY."""
+    from lowbit.gemm import scaled_matmul
+    from lowbit.qtensor import quantize
+    from lowbit.scaling import Scaling, expand_groups
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 128, generator=g)
+    x[:, 7] *= 30  # an outlier channel
+    w = torch.randn(32, 128, generator=g) * 0.05
+    up = torch.randn(64, 32, generator=g)  # dL/dy
+    out = {}
+    for occ in (None, OCC(0.99, "exact")):
+        for dge in (None, DGE()):
+            layer, xi = _layer(occ, dge, w), x.clone().requires_grad_()
+            y = layer(xi)
+            y.backward(up)
+            out[occ is not None, dge is not None] = (y.detach(), xi.grad, layer.weight.grad)
+    clamped, residual = occ_split(x, OCC(0.99, "exact"))
+    dense = residual.to_dense()
+    f4, g8 = Scaling("e2m1", "row"), Scaling("e4m3", "row")
+    qx, qw = quantize(clamped, f4), quantize(w, f4)
+    torch.testing.assert_close(out[True, False][0], scaled_matmul(qx, qw) + dense @ w.t(), rtol=1e-5, atol=1e-5)
+    assert torch.equal(out[True, True][1], out[False, False][1])  # dx: neither OCC nor DGE touches it
+    wgrad = scaled_matmul(quantize(up.t(), g8), quantize(qx.dequantize().t(), f4))
+    torch.testing.assert_close(out[True, False][2], wgrad + up.t() @ dense, rtol=1e-5, atol=1e-5)
+    factor = dge_factor(w / expand_groups(qw.scale_inv, f4, w.shape), DGE())
+    torch.testing.assert_close(out[True, True][2], wgrad * factor + up.t() @ dense, rtol=1e-5, atol=1e-5)
+    ratio = out[False, True][2] / out[False, False][2]
     assert ratio.min() >= 0.2 - 1e-6 and ratio.max() <= 3 + 1e-6 and ratio.std() > 0.1
+
+
+def test_sampled_quantile_sees_every_channel():
+    g = torch.Generator().manual_seed(0)
+    for channels in ([5, 77, 301], [0, 32, 64, 96]):  # off and on any power-of-two stride
+        x = torch.randn(2048, 1024, generator=g)
+        x[:, channels] *= 30
+        for method in ("exact", "sample"):
+            q = abs_quantile(x, 0.99, method)
+            clamped = (x.abs() > q).float().mean().item()
+            assert 0.007 < clamped < 0.013, (channels, method, clamped)
 
 
 def test_occ_residual_is_sparse_and_equals_the_dense_computation():

@@ -76,11 +76,13 @@ def dge_factor(x: torch.Tensor, dge: DGE) -> torch.Tensor:
 
 
 def abs_quantile(x: torch.Tensor, alpha: float, method: str = "sample") -> torch.Tensor:
-    """The α-quantile of |x| without sorting: kthvalue (a selection) over all elements, or over an evenly strided
-    sample of QUANTILE_SAMPLE elements (rank error about sqrt(α(1 − α)/n) of the sample)."""
-    a = x.detach().abs().reshape(-1).float()
-    if method == "sample" and a.numel() > QUANTILE_SAMPLE:
-        a = a[:: a.numel() // QUANTILE_SAMPLE]
+    """The α-quantile of |x| ([tokens, channels]) without sorting: kthvalue (a selection) over all elements, or over
+    about QUANTILE_SAMPLE elements made of whole, evenly spaced tokens (every channel is seen: outliers live in
+    particular channels, which a stride over the flat tensor could miss or over-count)."""
+    x2 = x.detach().reshape(-1, x.shape[-1])
+    if method == "sample" and x2.numel() > QUANTILE_SAMPLE:
+        x2 = x2[:: max(1, x2.shape[0] // max(1, QUANTILE_SAMPLE // x2.shape[1]))]
+    a = x2.abs().reshape(-1).float()
     k = min(a.numel(), max(1, int(round(alpha * a.numel()))))
     return a.kthvalue(k).values
 
@@ -88,10 +90,10 @@ def abs_quantile(x: torch.Tensor, alpha: float, method: str = "sample") -> torch
 def occ_split(x: torch.Tensor, occ: OCC) -> tuple[torch.Tensor, torch.Tensor]:
     """(clamped x, sparse residual x − clamped x). α = 1 clamps nothing."""
     if occ.alpha >= 1:
-        return x, torch.zeros_like(x).to_sparse()
+        return x, torch.zeros_like(x, dtype=torch.float32).to_sparse()
     q = abs_quantile(x, occ.alpha, occ.quantile).to(x.dtype)
     clamped = x.clamp(-q, q)
-    return clamped, (x - clamped).to_sparse()
+    return clamped, (x.float() - clamped.float()).to_sparse()  # the outliers in fp32, whatever x's dtype
 
 
 def check_fp4_dims(name: str, in_features: int, out_features: int) -> None:

@@ -86,7 +86,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             qw = quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
             if residual is not None:  # OCC compensation: the outliers' share, sparse, in the weights' precision
-                y = (y.float() + torch.sparse.mm(residual.to(weight.dtype), weight.t()).float()).to(out_dtype)
+                y = (y.float() + torch.sparse.mm(residual, weight.float().t())).to(out_dtype)
         if telemetry_layer is not None:
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
@@ -123,11 +123,11 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dyt = qdy.t() if r.grad_output.granularity == "tensor" else quantize(dy2.t(), r.grad_output)
                 xt = qx.t() if r.input.granularity == "tensor" else quantize(qx.dequantize().t(), r.input)
                 dw = scaled_matmul(dyt, xt, weight.dtype)
-            if ctx.residual is not None:  # the compensation term's weight gradient: dyᵀ · ΔY
-                dw = dw + torch.sparse.mm(ctx.residual.t().to(torch.float32), dy2.float()).t().to(dw.dtype)
             if r.dge is not None:  # DGE: dL/dW = dL/dWq · f'(W scaled onto the grid)
                 scaled = weight.float() / expand_groups(w_scale_inv.float(), r.weight, weight.shape)
                 dw = (dw.float() * dge_factor(scaled, r.dge)).to(dw.dtype)
+            if ctx.residual is not None:  # the compensation term's weight gradient, dyᵀ·ΔY (no quantizer: no DGE)
+                dw = dw + torch.sparse.mm(ctx.residual.t(), dy2.float()).t().to(dw.dtype)
         seen = torch.stack([amax if g.granularity == "tensor" else amax.new_zeros(()), bad.sum().float()]) \
             if ctx.report else None
         return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None

@@ -119,6 +119,12 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     if recipe.linear is None:
         return report
     n_layers = len(model.layers) if hasattr(model, "layers") else None
+    chosen = [(name, m) for name, m in model.named_modules()
+              if type(m) is nn.Linear and _kept(name, m, recipe, n_layers) is None]
+    lin = recipe.linear
+    if "e2m1" in (lin.input.format.name, lin.weight.format.name, lin.grad_output.format.name):
+        for name, m in chosen:  # every layer checked before any is swapped
+            check_fp4_dims(name, m.in_features, m.out_features)
     for name, module in list(model.named_modules()):
         if type(module) is not nn.Linear:
             continue
@@ -126,8 +132,6 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
         if reason:
             report["kept"].append(f"{name} ({reason})")
             continue
-        if "e2m1" in (recipe.linear.input.fmt, recipe.linear.weight.fmt):
-            check_fp4_dims(name, module.in_features, module.out_features)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LowPrecisionLinear.from_linear(module, recipe.linear))
