@@ -54,8 +54,17 @@ def test_non_multiple_of_16_falls_back_and_says_why():
 
 @pytest.mark.parametrize("recipe", LOW)
 def test_fp8_linear_matches_high_precision(recipe):
+    """FP8: cosine >= 0.99 for all three GEMMs. FP4: fprop >= 0.9 (outlier channels cost fp4-no-occ most of it),
+    dgrad >= 0.99; wgrad only without DGE, which by design is not the plain gradient (tests/test_fp4.py checks it
+    against its formula instead)."""
     fid = linear_fidelity(recipe)
-    assert min(fid.values()) >= 0.99, fid
+    lin = get_recipe(recipe).linear
+    if "e2m1" not in (lin.input.fmt, lin.weight.fmt):
+        assert min(fid.values()) >= 0.99, fid
+        return
+    assert fid["fprop"] >= 0.9 and fid["dgrad"] >= 0.99, fid
+    if lin.dge is None:
+        assert fid["wgrad"] >= 0.99, fid
 
 
 def test_quantized_input_is_what_backward_keeps():
