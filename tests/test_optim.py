@@ -236,15 +236,12 @@ def _model_report(recipe_name, **optim):
     ("bf16", {"weights": "bf16", "master": "fp32", "grads": "bf16"}, 16.0),  # fp32 AdamW with bf16 weights
 ])
 def test_measured_bytes_per_parameter(recipe, optim, expect):
-    report = memory_report_cached(recipe, optim)
+    report = _model_report(recipe, **optim)
     covered = report["covered"]["bytes_per_param"]
     assert covered["total"] == expect == report["covered"]["theoretical_bytes_per_param"]
     assert covered["total_with_scales"] <= expect + 0.01
     assert report["model"]["params"] > report["covered"]["params"] > 0
 
-
-def memory_report_cached(recipe, optim):
-    return _model_report(recipe, **optim)
 
 
 def test_fp8_sum_pre_post_and_auto_scaling():

@@ -211,7 +211,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             prec = self.precision_of(group)
             beta1, beta2 = group["betas"]
-            pairs = [(p, g) for p in group["params"] if (g := self._grad_for_step(p, prec)) is not None]
+            pairs = [(p, g) for p in group["params"] if (g := self._grad_for_step(p)) is not None]
             if not pairs:
                 continue
             wd_of = [group["weight_decay"] if (p.dim() >= 2 or group["decay_1d"]) else 0.0 for p, _ in pairs]
@@ -242,10 +242,8 @@ class LowbitAdamW(torch.optim.Optimizer):
                 self._fn(_update_all, device)(chunk, lr, beta1, beta2, group["eps"], kinds)
         return loss
 
-    def _grad_for_step(self, p, prec: StatePrecision):
+    def _grad_for_step(self, p):
         """What marks `p` as having a gradient this step (the data itself is read in the update)."""
-        if prec.all_fp32:
-            return p.grad
         store = self._grads.get(p)
         if store is not None:
             return store.data if store.filled else None
