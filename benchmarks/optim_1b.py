@@ -1,11 +1,12 @@
-"""FP8-LM optimizer on the `1b` preset (TinyLlama-1.1B shape), one GPU, one process:
+"""FP8-LM optimizer on the `1b` preset (TinyLlama-1.1B shape), one GPU, one process (--preset picks another shape;
+the FP4 step of issue 5 is `--preset 350m --no-optimizer-only --recipes bf16,fp8-tensorwise,fp4`):
 
   1. optimizer step alone: torch's fused AdamW (fp32 states) vs lowbit's fp8lm-o2 storage (bf16 weights, E4M3
      gradients and first moment, scaled FP16 second moment), gradients present, median of --steps steps;
   2. a whole training step (batch 8 x 2048, compiled model, bf16 autocast, clipping, optimizer) and its peak
      memory under bf16, fp8-tensorwise and fp8lm-o2 (and any --recipes).
 
-    python benchmarks/optim_1b.py [--steps 10] [--recipes bf16,fp8-tensorwise,fp8lm-o2] [--out results.json]
+    python benchmarks/optim_1b.py [--steps 10] [--recipes bf16,fp8-tensorwise,fp8lm-o2] [--preset 1b] [--out F]
 """
 
 from __future__ import annotations
@@ -28,12 +29,13 @@ from lowbit.train.config import ModelConfig, load_config, optim_precision
 from lowbit.train.trainer import build_optimizer
 
 BATCH, SEQ, VOCAB = 8, 2048, 32000
+PRESET = "1b"  # set by --preset
 
 
 def build(recipe_name: str):
     cfg = load_config(None, ["--recipe", recipe_name])
     torch.manual_seed(0)
-    model = Llama(resolve_model_args(ModelConfig(preset="1b"), vocab_size=VOCAB, seq_len=SEQ)).cuda()
+    model = Llama(resolve_model_args(ModelConfig(preset=PRESET), vocab_size=VOCAB, seq_len=SEQ)).cuda()
     recipe = get_recipe(recipe_name)
     convert(model, recipe)
     return model, build_optimizer(model, recipe, optim_precision(cfg), cfg)
@@ -61,7 +63,7 @@ def optimizer_only(steps: int) -> list[dict]:
     rows = []
     # torch fused AdamW on fp32 parameters, the trainer's default for bf16
     torch.manual_seed(0)
-    model = Llama(resolve_model_args(ModelConfig(preset="1b"), vocab_size=VOCAB, seq_len=SEQ)).cuda()
+    model = Llama(resolve_model_args(ModelConfig(preset=PRESET), vocab_size=VOCAB, seq_len=SEQ)).cuda()
     for p in model.parameters():
         p.grad = torch.randn_like(p) * 1e-3
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.1, fused=True)
@@ -118,11 +120,15 @@ def main() -> None:
     p.add_argument("--recipes", default="bf16,fp8-tensorwise,fp8lm-o2")
     p.add_argument("--out", default="")
     p.add_argument("--no-optimizer-only", action="store_true", help="skip part 1")
+    p.add_argument("--preset", default="1b")
     a = p.parse_args()
+    global PRESET
+    PRESET = a.preset
     dev = torch.cuda.get_device_name()
     header = {"device": dev, "torch": torch.__version__, "python": platform.python_version(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "batch": BATCH, "seq": SEQ}
+              "command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "batch": BATCH, "seq": SEQ,
+              "preset": PRESET}
     opt_rows = [] if a.no_optimizer_only else optimizer_only(a.steps)
     for r in opt_rows:
         print(json.dumps(r), flush=True)
@@ -132,9 +138,13 @@ def main() -> None:
             rows.append(train_step(recipe, a.steps))
         except torch.OutOfMemoryError:
             rows.append({"recipe": recipe, "error": "out of memory"})
+        except Exception as e:  # one failing recipe must not cost the others' numbers
+            rows.append({"recipe": recipe, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"})
+            gc.collect(), torch.cuda.empty_cache()
+            torch._dynamo.reset()
         print(json.dumps(rows[-1]), flush=True)
     print(f"\n{dev} | torch {torch.__version__} | {header['date']} | `{header['command']}`\n")
-    print("| optimizer step, 1b (1.1B params) | ms (median) |\n|---|---|")
+    print(f"| optimizer step, {PRESET} | ms (median) |\n|---|---|")
     for r in opt_rows:
         print(f"| {r['optimizer']} | {r['ms']:.2f} |")
     ref = next((r for r in rows if r["recipe"] == "fp8-tensorwise" and "error" not in r), None)
