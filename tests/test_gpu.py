@@ -32,8 +32,9 @@ def test_compiled_bf16_matches_eager_loss():
     assert abs(eager - compiled) < 2e-2
 
 
+@pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gran", ["tensor", "row"])
-def test_fp8_tensor_cores_match_emulation(gran):
+def test_fp8_tensor_cores_match_emulation(gran, out):
     from lowbit.gemm import fast_path_reason, scaled_matmul
     from lowbit.qtensor import quantize
     from lowbit.scaling import Scaling
@@ -41,8 +42,10 @@ def test_fp8_tensor_cores_match_emulation(gran):
     torch.manual_seed(0)
     a = quantize(torch.randn(256, 512, device="cuda") * 3, Scaling("e4m3", gran))
     b = quantize(torch.randn(384, 512, device="cuda") * 0.02, Scaling("e4m3", gran))
-    assert fast_path_reason(a, b, torch.bfloat16) is None
-    fast = scaled_matmul(a, b, torch.bfloat16).float()
+    assert fast_path_reason(a, b, out) is None  # rowwise fp32: the bf16 kernel, converted
+    fast = scaled_matmul(a, b, out)
+    assert fast.dtype == out
+    fast = fast.float()
     ref = a.dequantize() @ b.dequantize().t()
     torch.testing.assert_close(fast, ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
@@ -102,3 +105,24 @@ def test_fp8lm_o2_trains_compiled_on_gpu(tmp_path, capsys):
     assert code == 0, err
     report = json.loads((tmp_path / "run" / "memory.json").read_text())
     assert report["covered"]["bytes_per_param"]["total"] == 6.0
+
+
+def test_performer_on_gpu_matches_cpu_and_trains_compiled():
+    from lowbit.models.performer import favor_attention, orthogonal_features
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 1000, 64) * 0.5 for _ in range(3))
+    w = orthogonal_features(266, 64)
+    ref = favor_attention(q.double(), k.double(), v.double(), w.double(), chunk=128)
+    gpu = favor_attention(*(t.cuda() for t in (q, k, v)), w.cuda(), chunk=128).cpu()
+    assert (gpu.double() - ref).abs().max() < 1e-4
+    low = favor_attention(*(t.cuda().bfloat16() for t in (q, k, v)), w.cuda(), chunk=128).cpu()
+    assert ((low.double() - ref).norm() / ref.norm()) < 2e-2
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=512, max_seq_len=512,
+                     attention="performer")
+    model = Llama(args).cuda()
+    x = torch.randint(0, 512, (2, 512), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = torch.compile(model)(x, x)
+    loss.backward()
+    assert torch.isfinite(loss) and all(torch.isfinite(p.grad).all() for p in model.parameters())

@@ -39,9 +39,8 @@ def fast_path_reason(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> str | No
             return "a GPU without FP8 tensor cores"
         if a.data.dtype == b.data.dtype == torch.float8_e5m2:
             return "E5M2 x E5M2 (no such kernel)"
-        if "row" in (ga, gb) and (a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn
-                                  or out_dtype != torch.bfloat16):
-            return "rowwise needs E4M3 x E4M3 with a bf16 output"
+        if "row" in (ga, gb) and (a.data.dtype != torch.float8_e4m3fn or b.data.dtype != torch.float8_e4m3fn):
+            return "rowwise needs E4M3 x E4M3"
     elif dev.type != "cpu":
         return f"device {dev.type}"
     elif "row" in (ga, gb) and not _cpu_rowwise_supported():
@@ -78,6 +77,11 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32
             sa, sb = a.scale_inv.float().reshape(()), b.scale_inv.float().reshape(())
         else:
             sa, sb = _rowwise(a, a.shape[0]), _rowwise(b, b.shape[0]).reshape(1, -1)
+            if a.data.is_cuda and out_dtype != torch.bfloat16:
+                # CUDA's rowwise kernel writes bf16 only (fp32 accumulation inside): as torchao, round the result
+                # to bf16, then convert (an fp32 dW or dx of an fp32 input keeps bf16's 8 bits of mantissa).
+                return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast_accum).to(out_dtype)
         return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype,
                                 use_fast_accum=fast_accum)
     if a.data.device.type == "cuda" or "multiples of 16" in reason:  # on CPU, emulation is expected otherwise

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lowbit.errors import LowbitError
+from lowbit.models.performer import Performer, default_features
 
 # Architecture presets. `1b` is exactly TinyLlama-1.1B; `7b` is LLaMA-7B. vocab_size None: from the tokenizer.
 PRESETS: dict[str, dict] = {
@@ -46,6 +47,9 @@ class ModelArgs:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: str = "sdpa"
+    performer_features: int | None = None  # None: default_features(head_dim)
+    performer_chunk: int = 128
+    performer_redraw: int = 1000
     checkpointing: str = "none"
 
     @property
@@ -126,6 +130,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
+        self.performer = Performer(a.head_dim, a.performer_features or default_features(a.head_dim),
+                                   a.performer_chunk) if a.attention == "performer" else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, L, _ = x.shape
@@ -138,8 +144,10 @@ class Attention(nn.Module):
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        # Causal SDPA: flash / memory-efficient kernels skip masked blocks and store no attention weights.
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.performer is not None:  # rotary embeddings apply before the feature map
+            out = self.performer(q, k, v)
+        else:  # flash / memory-efficient kernels skip masked blocks and store no attention weights
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -209,6 +217,9 @@ class Llama(nn.Module):
                 nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.args.n_layers))
             else:
                 nn.init.normal_(p, 0.0, std)
+        for m in self.modules():  # after the weights, so a performer model starts from the sdpa model's weights
+            if isinstance(m, Performer):
+                m.redraw()
 
     def head_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
@@ -239,7 +250,13 @@ class Llama(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token (PaLM appendix B): 6 N (matmul weights, output head included, input embedding
-        not) + 12 L d T for attention scores and values, counted as if unmasked, as is conventional."""
+        not) + 12 L d T for attention scores and values, counted as if unmasked, as is conventional; for performer
+        attention, its feature maps, chunk scores and running state instead of the 12 L d T."""
         a = self.args
         n = self.num_params(embeddings=False) + (a.vocab_size * a.dim if a.tie_embeddings else 0)
+        if a.attention == "performer":  # per head: q, k features (2·M·d each), chunk scores and values, state
+            m, d, c = a.performer_features or default_features(a.head_dim), a.head_dim, min(a.performer_chunk,
+                                                                                                 seq_len)
+            per_head = 2 * (2 * m * d) + 2 * c * (m + d + 1) + 2 * 2 * m * (d + 1)
+            return 6 * n + 3 * a.n_layers * a.n_heads * per_head
         return 6 * n + 12 * a.n_layers * a.dim * seq_len

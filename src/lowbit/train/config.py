@@ -41,7 +41,10 @@ class ModelConfig:
     norm_eps: float | None = opt(None, "RMSNorm epsilon (preset)")
     tie_embeddings: bool | None = opt(None, "share input embedding and output head weights (preset)")
     init_std: float = opt(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)")
-    attention: str = opt("sdpa", "attention backend: sdpa")
+    attention: str = opt("sdpa", "attention backend: sdpa (exact, flash) | performer (FAVOR+, linear in length)")
+    performer_features: int | None = opt(None, "performer random features M; unset: round(d ln d), d the head dim")
+    performer_chunk: int = opt(128, "performer causal chunk: positions per step of the prefix sum")
+    performer_redraw: int = opt(1000, "redraw performer features every N steps (saved in checkpoints); 0: never")
     checkpointing: str = opt("none", "activation checkpointing: none | full | selective")
 
 
@@ -240,7 +243,7 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
 
 CHOICES = {
     "model.preset": None,  # filled by models.llama (PRESETS) at validation time
-    "model.attention": ("sdpa",),
+    "model.attention": ("sdpa", "performer"),
     "model.checkpointing": ("none", "full", "selective"),
     "train.dtype": ("auto", "fp32", "bf16"),
 }
@@ -248,11 +251,12 @@ CHOICES = {
 POSITIVE = [
     "model.dim", "model.n_layers", "model.n_heads", "model.n_kv_heads", "model.ffn_dim", "model.ffn_multiple_of",
     "model.vocab_size", "model.max_seq_len", "model.rope_theta", "model.norm_eps", "model.init_std",
+    "model.performer_features", "model.performer_chunk",
     "data.vocab_size", "data.seq_len", "train.steps", "train.batch_size", "train.lr", "train.eps",
     "train.eval_batches", "train.log_every", "train.rollback_after", "checkpoint.keep",
 ]
 NON_NEGATIVE = [
-    "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
+    "model.performer_redraw", "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
     "train.grad_clip", "train.eval_every", "checkpoint.every", "numerics.min_dim", "numerics.telemetry_every",
 ]
 

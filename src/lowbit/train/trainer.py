@@ -21,7 +21,8 @@ import torch
 
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
 from lowbit.errors import LowbitError
-from lowbit.models.llama import Llama, resolve_model_args
+from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
+from lowbit.models.performer import redraw_features
 from lowbit.linear import LowPrecisionLinear
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
@@ -31,7 +32,8 @@ from lowbit.train.config import Config, optim_precision, to_dict, to_toml
 from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, plot_losses, progress_line,
                                   truncate_after, warn)
 
-RESUMABLE_CHANGES = ("checkpointing", "init_std", "attention")  # model args that may differ on resume
+# Model args that may differ on resume: how the same function is computed, not which.
+RESUMABLE_CHANGES = ("checkpointing", "init_std", "performer_chunk", "performer_redraw")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -174,7 +176,8 @@ def train(cfg: Config) -> dict:
                               f"the data in {data_path}")
         # The shape must match; how it is computed (checkpointing policy, say) may change on resume.
         shape = {k: v for k, v in dataclasses.asdict(args).items() if k not in RESUMABLE_CHANGES}
-        saved = {k: v for k, v in info["model_args"].items() if k not in RESUMABLE_CHANGES}
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs) if f.default is not dataclasses.MISSING}
+        saved = {k: v for k, v in {**defaults, **info["model_args"]}.items() if k not in RESUMABLE_CHANGES}
         if saved != shape:
             raise LowbitError(f"run.resume: checkpoint {resume_from} has model shape {saved}, the config asks "
                               f"for {shape}")
@@ -306,6 +309,8 @@ def train(cfg: Config) -> dict:
                 print(format_report(report), flush=True)
                 memory_reported = True
             optimizer.zero_grad(set_to_none=True)
+            if args.attention == "performer" and args.performer_redraw and step % args.performer_redraw == 0:
+                redraw_features(model, seed=t.seed * 1_000_003 + step)  # a function of the step: resumes exactly
             if bad_run >= t.rollback_after:
                 step, tokens_seen = rollback(step)
                 bad_run = 0
