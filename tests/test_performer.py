@@ -194,3 +194,13 @@ def test_performer_trains_redraws_and_resumes_bit_exactly(tmp_path, capsys):
     last = load(find_resumable(tmp_path / "straight"))[0]
     key = "layers.0.attention.performer.features"
     assert not torch.equal(first[key], last[key])  # redrawn at step 6
+
+
+def test_performer_run_generates_but_is_not_exported_to_hf(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert cli(capsys, "train", *SMALL, "--model.attention", "performer", "--train.steps", "2",
+               "--run.dir", run)[0] == 0
+    code, out, _ = cli(capsys, "generate", run, "--max-new-tokens", "4")
+    assert code == 0 and out.strip()
+    code, _, err = cli(capsys, "export-hf", run, tmp_path / "hf")
+    assert code == 2 and "performer attention" in err and not (tmp_path / "hf").exists()

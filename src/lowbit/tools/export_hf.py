@@ -57,6 +57,9 @@ def export(run_dir: str, out_dir: str) -> Path:
     from lowbit.tools.generate import load_trained
 
     model, tok_path, _ = load_trained(run_dir)
+    if model.args.attention != "sdpa":
+        raise LowbitError(f"export-hf: {run_dir} uses {model.args.attention} attention, which LlamaForCausalLM "
+                          f"does not have (its weights would compute something else there)")
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
         raise LowbitError(f"export-hf: output path {out} is a file, not a directory")
