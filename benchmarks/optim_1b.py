@@ -83,9 +83,9 @@ def optimizer_only(steps: int) -> list[dict]:
     return rows
 
 
-def train_step(recipe: str, steps: int) -> dict:
+def train_step(recipe: str, steps: int, eager: bool = False) -> dict:
     model, opt = build(recipe)
-    compiled = torch.compile(model)
+    compiled = model if eager else torch.compile(model)
     x, y = batch()
 
     reports = []
@@ -109,7 +109,7 @@ def train_step(recipe: str, steps: int) -> dict:
     del model, opt, compiled
     gc.collect(), torch.cuda.empty_cache()
     torch._dynamo.reset()
-    return {"recipe": recipe, "ms_per_step": statistics.median(t) * 1e3, "ms_min": min(t) * 1e3,
+    return {"recipe": recipe + (" (eager)" if eager else ""), "ms_per_step": statistics.median(t) * 1e3, "ms_min": min(t) * 1e3,
             "peak_mem_gib": peak, "bytes_per_param_model": report["model"]["bytes_per_param"]["total"],
             "bytes_per_param_covered": report["covered"]["bytes_per_param"]["total"]}
 
@@ -121,6 +121,7 @@ def main() -> None:
     p.add_argument("--out", default="")
     p.add_argument("--no-optimizer-only", action="store_true", help="skip part 1")
     p.add_argument("--preset", default="1b")
+    p.add_argument("--eager", action="store_true", help="no torch.compile (fp4's OCC layers run eagerly anyway)")
     a = p.parse_args()
     global PRESET
     PRESET = a.preset
@@ -128,14 +129,14 @@ def main() -> None:
     header = {"device": dev, "torch": torch.__version__, "python": platform.python_version(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "batch": BATCH, "seq": SEQ,
-              "preset": PRESET}
+              "preset": PRESET, "compiled": not a.eager}
     opt_rows = [] if a.no_optimizer_only else optimizer_only(a.steps)
     for r in opt_rows:
         print(json.dumps(r), flush=True)
     rows = []
     for recipe in a.recipes.split(","):
         try:
-            rows.append(train_step(recipe, a.steps))
+            rows.append(train_step(recipe, a.steps, a.eager))
         except torch.OutOfMemoryError:
             rows.append({"recipe": recipe, "error": "out of memory"})
         except Exception as e:  # one failing recipe must not cost the others' numbers
@@ -147,7 +148,7 @@ def main() -> None:
     print(f"| optimizer step, {PRESET} | ms (median) |\n|---|---|")
     for r in opt_rows:
         print(f"| {r['optimizer']} | {r['ms']:.2f} |")
-    ref = next((r for r in rows if r["recipe"] == "fp8-tensorwise" and "error" not in r), None)
+    ref = next((r for r in rows if r["recipe"].split()[0] == "fp8-tensorwise" and "error" not in r), None)
     print("\n| recipe | ms/step (median) | vs fp8-tensorwise | peak GiB | bytes/param (model / covered) |")
     print("|---|---|---|---|---|")
     for r in rows:

@@ -60,6 +60,7 @@ def main() -> None:
     p.add_argument("--chunks", default="256,1024")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--profile", type=int, default=0, help="also print the top GPU kernels of performer at this L")
     p.add_argument("--out", default="")
     a = p.parse_args()
     dev = torch.cuda.get_device_name() if a.device == "cuda" else "cpu"
@@ -88,6 +89,15 @@ def main() -> None:
                 torch.cuda.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if a.profile and a.device == "cuda":  # where performer's time goes, for BENCHMARKS.md
+        n, fn = a.profile, list(backends.values())[-1]
+        q, k, v = (torch.randn(max(1, a.tokens // n), HEADS, n, HEAD_DIM, device="cuda", dtype=dtype)
+                   .requires_grad_() for _ in range(3))
+        measure(fn, q, k, v, 1, a.device)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            fn(q, k, v).backward(torch.ones_like(q))
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
     names = list(backends)
     print(f"\n{dev} | torch {torch.__version__} | {header['date']} | `{header['command']}`\n")
     print("| L | batch | " + " | ".join(f"{x} ms (MiB)" for x in names) + " | performer / sdpa time (best chunk) |")

@@ -38,6 +38,22 @@ def test_orthogonal_features_are_orthogonal_in_blocks_with_gaussian_norms():
     assert default_features(64) == 266
 
 
+@pytest.mark.parametrize("is_query", [True, False])
+def test_feature_map_backward_equals_autograd_of_its_formula(is_query):
+    x = torch.randn(2, 3, 10, 8, dtype=torch.float64, requires_grad=True)
+    w = orthogonal_features(20, 8, torch.Generator().manual_seed(0)).double()
+    xs = x * 8 ** -0.25
+    logits = xs @ w.t() - xs.pow(2).sum(-1, keepdim=True) / 2
+    shift = logits.amax(-1, keepdim=True) if is_query else logits.amax((-2, -1), keepdim=True)
+    ref = torch.exp(logits - shift.detach())
+    got = feature_map(x, w, is_query)
+    torch.testing.assert_close(got, ref, rtol=1e-12, atol=0)
+    g = torch.randn_like(ref)
+    (dx_ref,) = torch.autograd.grad(ref, x, g)
+    (dx,) = torch.autograd.grad(got, x, g)
+    torch.testing.assert_close(dx, dx_ref, rtol=1e-10, atol=1e-12)
+
+
 def test_noncausal_favor_approaches_softmax_as_features_grow():
     q, k, v = qkv()
     exact = F.scaled_dot_product_attention(q, k, v)

@@ -37,14 +37,36 @@ def orthogonal_features(m: int, d: int, generator: torch.Generator | None = None
     return (torch.cat(blocks)[:m] * norms).float()
 
 
+class _FeatureMap(torch.autograd.Function):
+    """φ(x) = exp(Wx' − ‖x'‖²/2 − shift), computed in fp32 (fp64 for fp64 x) and returned in x's dtype. Backward
+    keeps only x' and φ: ∂φ_m/∂x' = φ_m (w_m − x'), so dx' = (g∘φ) W − (Σ_m g_m φ_m) x'."""
+
+    @staticmethod
+    def forward(ctx, x, w, is_query: bool):
+        acc = torch.promote_types(x.dtype, torch.float32)
+        xs = x.to(acc) * x.shape[-1] ** -0.25
+        w = w.to(acc)
+        # one GEMM gives Wx' − ‖x'‖²/2: x' gets ‖x'‖² as an extra column, W a column of −1/2
+        logits = torch.cat([xs, xs.pow(2).sum(-1, keepdim=True)], -1) @ torch.cat([w, w.new_full((len(w), 1), -0.5)],
+                                                                                   -1).t()
+        shift = logits.amax(-1, keepdim=True) if is_query else logits.amax((-2, -1), keepdim=True)
+        phi = logits.sub_(shift).exp_().to(x.dtype)
+        ctx.save_for_backward(xs, w, phi)
+        return phi
+
+    @staticmethod
+    def backward(ctx, g):
+        xs, w, phi = ctx.saved_tensors
+        gp = g.to(xs.dtype) * phi.to(xs.dtype)
+        dxs = gp @ w - gp.sum(-1, keepdim=True) * xs
+        return (dxs * xs.shape[-1] ** -0.25).to(g.dtype), None, None
+
+
 def feature_map(x: torch.Tensor, w: torch.Tensor, is_query: bool) -> torch.Tensor:
-    """φ(x) for x [..., L, d] and w [M, d], in x's dtype. The largest exponent is subtracted before exp: per row
-    for queries, over the whole sequence for keys. Either is a constant factor of every term of a query's numerator
-    and normalizer, so it cancels exactly (detached: it carries no gradient)."""
-    x = x * x.shape[-1] ** -0.25
-    logits = x @ w.to(x.dtype).t() - x.pow(2).sum(-1, keepdim=True) / 2
-    shift = logits.amax(-1, keepdim=True) if is_query else logits.amax((-2, -1), keepdim=True)
-    return torch.exp(logits - shift.detach()) * w.shape[0] ** -0.5
+    """φ(x) for x [..., L, d] and w [M, d], in x's dtype, up to a constant factor: the largest exponent is subtracted
+    before exp (per row for queries, over the whole sequence for keys) and the 1/√M is left out. Both are the same
+    factor in every term of a query's numerator and normalizer, so they cancel exactly and carry no gradient."""
+    return _FeatureMap.apply(x, w, is_query)
 
 
 GROUP = 8192  # positions per step of the causal sweep: its chunks run as one batched product (few GPU launches)
@@ -125,7 +147,7 @@ def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.
     if chunk <= 0:
         raise LowbitError(f"performer chunk size must be > 0, got {chunk}")
     acc = torch.promote_types(q.dtype, torch.float32)
-    fq, fk = (feature_map(x.to(acc), w.to(acc), is_query).to(q.dtype) for x, is_query in ((q, True), (k, False)))
+    fq, fk = feature_map(q, w, True), feature_map(k, w, False)
     v1 = torch.cat([v, v.new_ones(*v.shape[:-1], 1)], dim=-1)  # last column accumulates the normalizer
     if causal:
         out = CausalLinearAttention.apply(fq, fk, v1, chunk)
