@@ -24,3 +24,8 @@ case "${1:-a}" in
     timeout 180 python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py -k "tensor_cores or performer" \
       tests/test_performer.py 2>&1 | tee "$OUT/pytest_gpu.txt" | tail -6 ;;
 esac
+if [ "${1:-a}" = c ]; then
+  # Part "c": where fp4's step time goes (eager, 350m), beside fp8-tensorwise.
+  timeout 240 python3 benchmarks/profile_step.py --preset 350m --recipes fp4,fp8-tensorwise,bf16 --rows 18 2>&1 \
+    | grep -v -E "^(W|I)[0-9]{4}|warn" | tee "$OUT/profile_350m.txt" | tail -80
+fi

@@ -176,13 +176,13 @@ def test_performer_model_keeps_sdpa_weights_and_saves_its_features():
     sdpa = Llama(tiny_args(attention="sdpa"))
     torch.manual_seed(0)
     perf = Llama(tiny_args())
-    assert all(torch.equal(sdpa.state_dict()[k], v) for k, v in perf.state_dict().items() if "performer" not in k)
+    assert all(torch.equal(sdpa.state_dict()[k], v) for k, v in perf.state_dict().items() if "core" not in k)
     # bf16 products (fp32 features and sums) stay close to the fp32 computation
     tokens = torch.randint(0, 256, (2, 64))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         low = perf(tokens, tokens)
     assert abs(low.item() - perf(tokens, tokens).item()) < 0.02
-    assert perf.state_dict()["layers.0.attention.performer.features"].shape == (default_features(16), 16)
+    assert perf.state_dict()["layers.0.attention.core.features"].shape == (default_features(16), 16)
 
 
 def test_bad_performer_settings_are_clear_errors(capsys):
@@ -208,7 +208,7 @@ def test_performer_trains_redraws_and_resumes_bit_exactly(tmp_path, capsys):
     assert losses(tmp_path / "straight")[8] < losses(tmp_path / "straight")[1]
     first = load(tmp_path / "split" / "checkpoints" / "step_00000004")[0]
     last = load(find_resumable(tmp_path / "straight"))[0]
-    key = "layers.0.attention.performer.features"
+    key = "layers.0.attention.core.features"
     assert not torch.equal(first[key], last[key])  # redrawn at step 6
 
 

@@ -122,7 +122,17 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+class CausalSDPA(nn.Module):
+    """Exact causal attention: flash / memory-efficient kernels skip masked blocks and store no attention weights."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions=None) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
 class Attention(nn.Module):
+    """Projections, RoPE and GQA around an attention core [B, H, L, D] -> [B, H, L, D]: CausalSDPA or Performer;
+    context parallelism swaps in its own (lowbit.distributed.context_parallel)."""
+
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = a.n_heads, a.n_kv_heads, a.head_dim
@@ -130,24 +140,21 @@ class Attention(nn.Module):
         self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
-        self.performer = Performer(a.head_dim, a.performer_features or default_features(a.head_dim),
-                                   a.performer_chunk) if a.attention == "performer" else None
+        self.core = Performer(a.head_dim, a.performer_features or default_features(a.head_dim),
+                              a.performer_chunk) if a.attention == "performer" else CausalSDPA()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
         B, L, _ = x.shape
         q = self.wq(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # before any feature map
         if self.n_kv_heads != self.n_heads:
             # Expanded views keep every SDPA backend available (flash included); no seq x seq tensor is formed.
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        if self.performer is not None:  # rotary embeddings apply before the feature map
-            out = self.performer(q, k, v)
-        else:  # flash / memory-efficient kernels skip masked blocks and store no attention weights
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core(q, k, v, positions)
         return self.wo(out.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -172,8 +179,8 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin, positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -224,20 +231,23 @@ class Llama(nn.Module):
     def head_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, L, V] or, with targets, the mean cross-entropy (computed in fp32)."""
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, L, V] or, with targets, the mean cross-entropy (computed in fp32). `positions` [L]: where
+        the tokens sit in their sequence (a context-parallel shard); default 0..L-1."""
         L = tokens.shape[1]
         if L > self.args.max_seq_len:
             raise ValueError(f"sequence of {L} tokens is longer than max_seq_len {self.args.max_seq_len}")
-        cos, sin = self.rope_cos[:L], self.rope_sin[:L]
+        cos, sin = (self.rope_cos[:L], self.rope_sin[:L]) if positions is None else \
+            (self.rope_cos[positions], self.rope_sin[positions])
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             if self.training and self.args.checkpointing == "full":
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                h = checkpoint(layer, h, cos, sin, positions, use_reentrant=False)
             elif self.training and self.args.checkpointing == "selective":
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False, context_fn=_selective_policy)
+                h = checkpoint(layer, h, cos, sin, positions, use_reentrant=False, context_fn=_selective_policy)
             else:
-                h = layer(h, cos, sin)
+                h = layer(h, cos, sin, positions)
         h = self.norm(h)
         logits = h @ self.head_weight().t() if self.output is None else self.output(h)
         if targets is None:

@@ -176,7 +176,7 @@ class Performer(nn.Module):
         m, d = self.features.shape
         self.features.copy_(orthogonal_features(m, d, generator))
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions=None) -> torch.Tensor:
         # Autocast off: favor_attention picks its own precisions (fp32 features and sums, products in q's dtype).
         with torch.autocast(q.device.type, enabled=False):
             return favor_attention(q, k, v, self.features, causal=True, chunk=self.chunk)

@@ -109,6 +109,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class ParallelConfig:
+    dp: int = opt(1, "data-parallel degree (replicas; each takes a slice of the global batch)")
+    tp: int = opt(1, "tensor-parallel degree (attention heads and MLP width split, Megatron-style)")
+    pp: int = opt(1, "pipeline-parallel degree (stages cut between blocks)")
+    cp: int = opt(1, "context-parallel degree (the sequence split, zigzag for causal load balance)")
+    cp_impl: str = opt("ring", "context-parallel attention: ring (online softmax) | rsa (ring self-attention)")
+    grad_sync: str = opt("fp32", "data-parallel gradient exchange: fp32 | bf16 | fp8 (FP8 bytes, fp32 sums)")
+    grad_sync_format: str = opt("e4m3", "FP8 format of the fp8 gradient exchange: e4m3 | e5m2")
+    grad_scaling: str = opt("auto", "fp8 gradient exchange scaling (FP8-LM): pre | post | auto")
+    timeout_s: int = opt(300, "collective timeout: a rank that fails makes the others stop, not hang")
+
+
+@dataclass
 class RunConfig:
     dir: str = opt("runs/default", "run directory (metrics, checkpoints, plots)")
     resume: bool = opt(False, "continue from the newest good checkpoint in run.dir")
@@ -126,6 +139,7 @@ class Config:
     numerics: NumericsConfig = field(default_factory=NumericsConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
 
@@ -246,6 +260,10 @@ CHOICES = {
     "model.attention": ("sdpa", "performer"),
     "model.checkpointing": ("none", "full", "selective"),
     "train.dtype": ("auto", "fp32", "bf16"),
+    "parallel.cp_impl": ("ring", "rsa"),
+    "parallel.grad_sync": ("fp32", "bf16", "fp8"),
+    "parallel.grad_sync_format": ("e4m3", "e5m2"),
+    "parallel.grad_scaling": ("pre", "post", "auto"),
 }
 
 POSITIVE = [
@@ -254,6 +272,7 @@ POSITIVE = [
     "model.performer_features", "model.performer_chunk",
     "data.vocab_size", "data.seq_len", "train.steps", "train.batch_size", "train.lr", "train.eps",
     "train.eval_batches", "train.log_every", "train.rollback_after", "checkpoint.keep",
+    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.timeout_s",
 ]
 NON_NEGATIVE = [
     "model.performer_redraw", "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
@@ -301,7 +320,9 @@ def validate(cfg: Config) -> None:
         raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
     from lowbit.models.llama import resolve_model_args
-    resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
+    args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
+    from lowbit.distributed.mesh import check_layout
+    check_layout(cfg, args)
 
 
 def optim_precision(cfg: Config):

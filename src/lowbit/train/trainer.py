@@ -20,6 +20,9 @@ from pathlib import Path
 import torch
 
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
+from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
+from lowbit.distributed.grad_sync import GradSync
+from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
 from lowbit.models.performer import redraw_features
@@ -126,16 +129,32 @@ class _StopRequest:
             signal.signal(sig, handler)
 
 
+class _Silent:
+    """Metrics of a rank other than 0: rank 0 writes for everyone."""
+
+    def log(self, record: dict) -> None:
+        pass
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 @torch.no_grad()
-def evaluate(model, batches, device, autocast) -> float:
+def evaluate(model, batches, device, autocast, positions=None, group=None) -> float:
+    """Mean validation loss; with context parallelism each rank scores its shard and the ranks average."""
     was_training = model.training
     model.eval()
-    total = 0.0
+    total = torch.zeros((), device=device)
     for x, y in batches:
+        if positions is not None:
+            x, y = x[:, positions.cpu()], y[:, positions.cpu()]
         with autocast():
-            total += model(x.to(device), y.to(device)).item()
+            total += model(x.to(device), y.to(device), positions=positions).float()
     model.train(was_training)
-    return total / max(1, len(batches))
+    return mean_over(total, group).item() / max(1, len(batches))
 
 
 def train(cfg: Config) -> dict:
@@ -146,23 +165,28 @@ def train(cfg: Config) -> dict:
     recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
                           min_dim=n.min_dim)
     precision = optim_precision(cfg)
-    device = resolve_device(cfg.run.device)
+    device = local_device(resolve_device(cfg.run.device))
     dtype = compute_dtype(t.dtype, device)
+    mesh = init_mesh(cfg.parallel, device)
+    lead = mesh.rank == 0
+    say = print if lead else (lambda *a, **k: None)
+    replicas = mesh.group("dp", "cp")  # ranks whose gradients and losses are averaged
     if recipe.linear is None and precision.weights != "fp32" and dtype == torch.float32:
         raise LowbitError(f"optim.weights: {precision.weights} weights in high-precision linears need autocast "
                           f"(train.dtype bf16)")
 
     # ---- check every input before writing anything ----
-    data_path = resolve_dataset(cfg.data.path, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size,
-                                field=cfg.data.field, column=cfg.data.column, val_fraction=cfg.data.val_fraction,
-                                cache_dir=cfg.data.cache_dir or None)
+    data_path = lead_first(mesh, lambda: resolve_dataset(
+        cfg.data.path, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size, field=cfg.data.field,
+        column=cfg.data.column, val_fraction=cfg.data.val_fraction, cache_dir=cfg.data.cache_dir or None))
     dataset = TokenDataset(data_path, tokenizer=cfg.data.tokenizer, verify=cfg.data.verify)
     args = resolve_model_args(cfg.model, vocab_size=dataset.vocab_size, seq_len=cfg.data.seq_len)
-    loader = Loader(dataset.split("train"), cfg.data.seq_len, t.batch_size, seed=t.seed)
+    loader = Loader(dataset.split("train"), cfg.data.seq_len, t.batch_size, seed=t.seed,
+                    dp_rank=mesh.coords["dp"], dp_size=mesh.sizes["dp"])
     val_split = dataset.split("val")
     val_data = val_batches(val_split, cfg.data.seq_len, t.micro_batch_size or t.batch_size, t.eval_batches) \
         if val_split.num_windows(cfg.data.seq_len) > 0 else []
-    if not val_data:
+    if not val_data and lead:
         warn(f"validation split of {data_path} is shorter than one window of {cfg.data.seq_len + 1} tokens: "
              f"no validation loss")
 
@@ -186,13 +210,18 @@ def train(cfg: Config) -> dict:
                               f"the config asks for {recipe.name!r} (their scaling states differ)")
     if cfg.run.tensorboard:
         check_tensorboard()
-    prepare_run_dir(run_dir, cfg.run.resume)
+    lead_first(mesh, lambda: prepare_run_dir(run_dir, cfg.run.resume) if lead else None)
 
     # ---- build ----
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     model = Llama(args).to(device)
     conversion = convert(model, recipe)
+    positions = None  # this rank's positions in the sequence, under context parallelism
+    if mesh.sizes["cp"] > 1:
+        apply_context_parallel(model, mesh.group("cp"), cfg.data.seq_len, cfg.parallel.cp_impl)
+        positions = zigzag_positions(cfg.data.seq_len, mesh.sizes["cp"], mesh.coords["cp"]).to(device)
+    grad_sync = GradSync(replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
@@ -206,19 +235,23 @@ def train(cfg: Config) -> dict:
                               f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}") from None
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
+        if "grad_sync" in state:
+            grad_sync.load_state_dict(state["grad_sync"])
         _set_rng_state(state["rng"], device)
         return info["step"], info["tokens_seen"]
 
     start_step, tokens_seen = 0, 0
     if resumed is not None:
         start_step, tokens_seen = restore(resume_from, resumed)
-        truncate_after(run_dir / "metrics.jsonl", start_step)
-        print(f"lowbit: resuming from {resume_from} (step {start_step})")
+        if lead:
+            truncate_after(run_dir / "metrics.jsonl", start_step)
+        say(f"lowbit: resuming from {resume_from} (step {start_step})")
     step_fn = torch.compile(model) if t.compile else model
 
-    (run_dir / "config.toml").write_text(to_toml(cfg))
-    shutil.copyfile(dataset.tokenizer_path, run_dir / "tokenizer.json")
-    metrics = Metrics(run_dir, cfg.run.tensorboard)
+    if lead:
+        (run_dir / "config.toml").write_text(to_toml(cfg))
+        shutil.copyfile(dataset.tokenizer_path, run_dir / "tokenizer.json")
+    metrics = Metrics(run_dir, cfg.run.tensorboard) if lead else _Silent()
 
     def autocast():
         if dtype == torch.float32:
@@ -226,27 +259,35 @@ def train(cfg: Config) -> dict:
         return torch.autocast(device.type, dtype=dtype)
 
     def save_checkpoint(step: int) -> Path:
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(device)}
+        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
+                 "grad_sync": grad_sync.state_dict()}
         # The loader position is the step: the data order is a pure function of (seed, step).
         info = {"step": step, "tokens_seen": tokens_seen, "data_position": {"batch": step, "seed": t.seed,
                                                                             "epoch": loader.epoch_of(step)},
                 "model_args": dataclasses.asdict(args),
                 "tokenizer_hash": dataset.meta["tokenizer_hash"], "recipe": recipe.name, "config": to_dict(cfg),
                 "dataset": str(data_path)}
-        return ckpt.save(run_dir, step, model.state_dict(), state, info, keep=cfg.checkpoint.keep)
+        # Replicas hold the same weights and optimizer: rank 0 writes; the others wait so a rollback or a resume
+        # that follows reads a complete checkpoint.
+        path = ckpt.save(run_dir, step, model.state_dict(), state, info, keep=cfg.checkpoint.keep) if lead else None
+        if mesh.world > 1:
+            torch.distributed.barrier()
+        return path
 
     n_params = model.num_params()
-    micro = t.micro_batch_size or t.batch_size
-    n_micro = t.batch_size // micro
+    micro = t.micro_batch_size or loader.local_batch  # per replica
+    n_micro = loader.local_batch // micro
     tokens_per_step = t.batch_size * cfg.data.seq_len
     peak = gpu_peak_flops(device) if dtype == torch.bfloat16 else None
     flops_per_step = model.flops_per_token(cfg.data.seq_len) * tokens_per_step
     last_step = t.stop_at or t.steps
-    print(f"lowbit: {n_params / 1e6:.2f}M parameters ({args.n_layers} layers, dim {args.dim}, vocab "
+    layout = " | " + " x ".join(f"{d} {mesh.sizes[d]}" for d in ("dp", "cp") if mesh.sizes[d] > 1) \
+        if mesh.world > 1 else ""
+    say(f"lowbit: {n_params / 1e6:.2f}M parameters ({args.n_layers} layers, dim {args.dim}, vocab "
           f"{args.vocab_size}) | recipe {recipe.name} | {dtype} on {device} | {t.batch_size}x{cfg.data.seq_len} "
-          f"tokens/step ({n_micro} micro-batches) | data {data_path} | run {run_dir}")
+          f"tokens/step ({n_micro} micro-batches) | data {data_path} | run {run_dir}{layout}")
     if recipe.linear is not None:
-        print(f"lowbit: recipe {recipe.name}: {len(conversion['converted'])} linears in low precision; kept in "
+        say(f"lowbit: recipe {recipe.name}: {len(conversion['converted'])} linears in low precision; kept in "
               f"{dtype}: {', '.join(conversion['kept']) or 'none'}")
 
     summary = {"run_dir": str(run_dir), "start_step": start_step, "step": start_step, "loss": None,
@@ -263,7 +304,7 @@ def train(cfg: Config) -> dict:
                               f" (lower train.lr or raise train.warmup_steps; checkpoint.every sets the rollback points)")
         rolled_back_to.add(good)
         back = restore(good, ckpt.load(good))
-        print(f"lowbit: {t.rollback_after} consecutive bad steps up to step {bad_step}: rolled back to {good} "
+        say(f"lowbit: {t.rollback_after} consecutive bad steps up to step {bad_step}: rolled back to {good} "
               f"(step {back[0]})", flush=True)
         metrics.truncate_after(back[0])  # the steps after it are redone
         metrics.log({"step": back[0], "rollback": {"from": bad_step, "to": back[0], "checkpoint": str(good)}})
@@ -284,15 +325,20 @@ def train(cfg: Config) -> dict:
             # Telemetry steps run the eager model: its statistics are host-side Python, which torch.compile
             # would have to break the graph for (same numerics either way).
             forward = model if telemetry else step_fn
+            if positions is not None:  # this rank's zigzag shard of every sequence
+                x, y = x[:, positions.cpu()], y[:, positions.cpu()]
             for xm, ym in zip(x.split(micro), y.split(micro)):
                 with autocast():
-                    loss = forward(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True))
+                    loss = forward(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
+                                   positions=positions)
                 (loss / n_micro).backward()
                 loss_sum += loss.detach()
             for layer in lp_layers.values():
                 layer.telemetry_armed = False
+            grad_sync.bytes_sent = 0
+            grad_sync.sync(optimizer)  # the mean over replicas (nothing in a single process)
             grad_norm = optimizer.clip_grad_norm_(t.grad_clip or float("inf"))
-            loss_value = loss_sum.item() / n_micro
+            loss_value = mean_over(loss_sum, replicas).item() / n_micro
             lr = scheduler.get_last_lr()[0]
             finite = math.isfinite(loss_value) and math.isfinite(grad_norm.item())
             if finite:
@@ -300,13 +346,14 @@ def train(cfg: Config) -> dict:
                 optimizer.step()
             else:  # skip the update: nothing non-finite reaches the weights or the optimizer states
                 skipped, bad_run = skipped + 1, bad_run + 1
-                print(f"lowbit: step {step}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradients'}"
+                say(f"lowbit: step {step}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradients'}"
                       f", update skipped ({bad_run} in a row, {skipped} in all)", flush=True)
             scheduler.step()
             if finite and not memory_reported:  # measured once every tensor exists (gradients included)
                 report = memory_report(optimizer)
-                (run_dir / "memory.json").write_text(json.dumps(report, indent=1))
-                print(format_report(report), flush=True)
+                if lead:
+                    (run_dir / "memory.json").write_text(json.dumps(report, indent=1))
+                say(format_report(report), flush=True)
                 memory_reported = True
             optimizer.zero_grad(set_to_none=True)
             if args.attention == "performer" and args.performer_redraw and step % args.performer_redraw == 0:
@@ -321,7 +368,8 @@ def train(cfg: Config) -> dict:
 
             record = {"step": step, "loss": _finite_or_none(loss_value), "lr": lr,
                       "grad_norm": _finite_or_none(grad_norm.item()),
-                      "tokens": tokens_seen, **({"skipped": not finite, "skipped_steps": skipped} if skipped else {})}
+                      "tokens": tokens_seen, **({"comm_bytes": grad_sync.bytes_sent} if mesh.world > 1 else {}),
+                      **({"skipped": not finite, "skipped_steps": skipped} if skipped else {})}
             if step == start_step + 1:  # the first step pays for compilation and warm-up: time from here on
                 run_t0, window_t0, window_tokens = time.perf_counter(), time.perf_counter(), 0
             else:
@@ -332,7 +380,7 @@ def train(cfg: Config) -> dict:
                 mfu = tps / tokens_per_step * flops_per_step / peak if peak else None
                 per_step = (now - run_t0) / max(timed_steps, 1)
                 record.update(tokens_per_s=tps, **({"mfu": mfu} if mfu is not None else {}))
-                print(progress_line(step, t.steps, loss_value, lr, tps, mfu, per_step * (last_step - step)),
+                say(progress_line(step, t.steps, loss_value, lr, tps, mfu, per_step * (last_step - step)),
                       flush=True)
                 window_t0, window_tokens = now, 0
             metrics.log(record)
@@ -344,9 +392,9 @@ def train(cfg: Config) -> dict:
             end = step == last_step or stop.requested
             pause_t0 = time.perf_counter()  # validation and checkpoints are kept out of tokens/s and the ETA
             if val_data and ((t.eval_every and step % t.eval_every == 0) or end):
-                val_loss = evaluate(step_fn, val_data, device, autocast)
+                val_loss = evaluate(step_fn, val_data, device, autocast, positions, replicas)
                 metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
-                print(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
+                say(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
                       flush=True)
                 summary["val_loss"] = val_loss
             if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end:
@@ -356,10 +404,11 @@ def train(cfg: Config) -> dict:
             if run_t0 is not None:
                 run_t0 += paused
             if stop.requested:
-                print(f"lowbit: stopped by signal after step {step}; resume with --run.resume", flush=True)
+                say(f"lowbit: stopped by signal after step {step}; resume with --run.resume", flush=True)
                 break
     metrics.close()
-    if cfg.run.plot:
+    if lead and cfg.run.plot:
         plot_losses(metrics.path, run_dir / "loss.png")
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    if lead:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary

@@ -1,0 +1,125 @@
+"""The device mesh: pp × dp × cp × tp processes, launched by torchrun (NCCL on GPUs, gloo on CPUs).
+
+Every check that can fail is made before any collective (`check_layout`, from config validation), so a bad layout
+is a one-line error on every rank rather than a hang; collectives carry `parallel.timeout_s`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from lowbit.errors import LowbitError
+
+DIMS = ("pp", "dp", "cp", "tp")  # outermost first: tp neighbours get the closest ranks (same node, NVLink)
+
+
+def world_size() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_layout(cfg, args) -> None:
+    """Layout errors, on every rank alike (pure arithmetic on the config and the environment)."""
+    p, t = cfg.parallel, cfg.train
+    product = p.pp * p.dp * p.cp * p.tp
+    if product != world_size():
+        raise LowbitError(f"parallel: dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {product}, but {world_size()} "
+                          f"process(es) run (torchrun --nproc-per-node sets it)")
+    if p.tp > 1 or p.pp > 1:
+        raise LowbitError(f"parallel.{'tp' if p.tp > 1 else 'pp'}: tensor and pipeline parallelism are not "
+                          f"implemented yet (dp and cp are)")
+    if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
+        raise LowbitError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by 2*parallel.cp ({2 * p.cp}): "
+                          f"each rank takes two zigzag chunks")
+    if p.cp > 1 and args.attention != "sdpa":
+        raise LowbitError(f"parallel.cp: context parallelism computes exact attention; model.attention "
+                          f"{args.attention} is not supported with it")
+    if p.pp > args.n_layers:
+        raise LowbitError(f"parallel.pp ({p.pp}) is larger than the number of blocks ({args.n_layers})")
+    if t.batch_size % p.dp:
+        raise LowbitError(f"train.batch_size ({t.batch_size}) must be divisible by parallel.dp ({p.dp})")
+    if t.micro_batch_size and (t.batch_size // p.dp) % t.micro_batch_size:
+        raise LowbitError(f"train.micro_batch_size ({t.micro_batch_size}) must divide the per-replica batch "
+                          f"(train.batch_size / parallel.dp = {t.batch_size // p.dp})")
+
+
+@dataclass
+class Mesh:
+    """Where this process sits. `group(dims)` is None in a single process."""
+
+    sizes: dict[str, int]
+    coords: dict[str, int]
+    device_mesh: object = None  # torch DeviceMesh when world > 1
+
+    @property
+    def world(self) -> int:
+        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["cp"] * self.sizes["tp"]
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if self.world > 1 else 0
+
+    def group(self, *dims: str):
+        """The process group spanning `dims` (e.g. "dp", "cp"), or None if it has a single member."""
+        if self.device_mesh is None or all(self.sizes[d] == 1 for d in dims):
+            return None
+        if len(dims) == 1:
+            return self.device_mesh[dims[0]].get_group()
+        return self.device_mesh[dims]._flatten("_".join(dims)).get_group()
+
+
+def single() -> Mesh:
+    return Mesh({d: 1 for d in DIMS}, {d: 0 for d in DIMS})
+
+
+def init_mesh(parallel, device: torch.device) -> Mesh:
+    """Join the process group torchrun set up (env://) and build the mesh; a single process needs neither."""
+    sizes = {d: getattr(parallel, d) for d in DIMS}
+    if world_size() == 1:
+        return single()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s),
+                                **({"device_id": device} if device.type == "cuda" else {}))
+    mesh = init_device_mesh(device.type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
+    return Mesh(sizes, {d: mesh.get_local_rank(d) for d in DIMS}, mesh)
+
+
+def local_device(requested: torch.device) -> torch.device:
+    """Under torchrun each process takes the GPU of its local rank."""
+    if requested.type == "cuda" and world_size() > 1:
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return requested
+
+
+def lead_first(mesh: Mesh, fn):
+    """Run `fn` on rank 0 first (it may write: a dataset cache, the run directory), then on the others; a
+    LowbitError on rank 0 is raised on every rank instead of leaving them waiting."""
+    if mesh.world == 1:
+        return fn()
+    result, error = None, None
+    if mesh.rank == 0:
+        try:
+            result = fn()
+        except LowbitError as e:
+            error = str(e)
+    box = [error]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        raise LowbitError(box[0] if mesh.rank == 0 else f"(rank 0) {box[0]}")
+    return result if mesh.rank == 0 else fn()
+
+
+def mean_over(x: torch.Tensor, group) -> torch.Tensor:
+    """The mean of `x` over the ranks of `group` (x itself without one)."""
+    if group is None:
+        return x
+    x = x.clone()
+    dist.all_reduce(x, group=group)
+    return x / dist.get_world_size(group)
