@@ -2,8 +2,8 @@
 
     fp32  all-reduce in fp32 (the reference)
     bf16  all-reduce in bf16 (half the bytes; the sum is rounded to bf16 as it goes)
-    fp8   FP8-LM's exchange without summing in FP8: one shared scale (from the global amax, an all-reduce MAX),
-          the gradients cast to FP8 under it (pre-, post- or automatic scaling, as `optim.grad_scaling.fp8_sum`),
+    fp8   FP8-LM's exchange without summing in FP8: one shared scale per gradient tensor (from its global amax,
+          one all-reduce MAX for all tensors), the gradients cast to FP8 under it (pre-, post- or automatic scaling, as `optim.grad_scaling.fp8_sum`),
           a reduce-scatter built from an all-to-all of the FP8 bytes with the sum of each shard taken in fp32,
           the shard sums cast back to FP8 under the same scale (post scaling may saturate here: what auto
           scaling's mu watches), and an all-gather of those bytes. 2·(N−1)/N bytes per gradient element on the
@@ -58,9 +58,24 @@ class GradSync:
             else:
                 values.append(p.grad.float() if p.grad is not None else torch.zeros(p.shape, device=p.device))
         flat = torch.cat([v.reshape(-1) for v in values])
+        scales, bad = self._shared_scales(values) if self.mode == "fp8" else (None, None)
+        over = torch.zeros((), device=flat.device)
         for start in range(0, flat.numel(), BUCKET):
             part = flat[start:start + BUCKET]
-            part.copy_(self._mean(part))
+            if self.mode == "fp8":
+                mean, o = self._fp8_mean(part, scales[start:start + BUCKET])
+                part.copy_(mean)
+                over += o
+            else:
+                part.copy_(self._mean(part))
+        if self.mode == "fp8":
+            dist.all_reduce(over, group=self.group)
+            self.bytes_sent += self._ring_bytes(1, 4)
+            self.overflow_ratio = over.item() / max(flat.numel(), 1)
+            if self.scaling == "auto":
+                self.auto.update(self.overflow_ratio)
+            if bad:  # a non-finite gradient on any rank: every rank sees NaN, and the step is skipped everywhere
+                flat.fill_(float("nan"))
         offset = 0
         for (p, store), v in zip(slots, values):
             mean = flat[offset:offset + v.numel()].view(p.shape)
@@ -84,30 +99,36 @@ class GradSync:
             dist.all_reduce(y, group=self.group)
             self.bytes_sent += self._ring_bytes(y.numel(), 4)
             return y / n
-        if self.mode == "bf16":
-            y = x.to(torch.bfloat16)
-            dist.all_reduce(y, group=self.group)
-            self.bytes_sent += self._ring_bytes(y.numel(), 2)
-            return y.float() / n
-        return self._fp8_mean(x)
+        y = x.to(torch.bfloat16)
+        dist.all_reduce(y, group=self.group)
+        self.bytes_sent += self._ring_bytes(y.numel(), 2)
+        return y.float() / n
 
-    def _fp8_mean(self, x: torch.Tensor) -> torch.Tensor:
+    def _shared_scales(self, values: list[torch.Tensor]) -> tuple[torch.Tensor, bool]:
+        """Per element of the flat gradient: its tensor's shared scale (from the amax over all ranks, one
+        all-reduce MAX for every tensor) times the scaling mode's factor; and whether any rank has a non-finite
+        gradient."""
+        amax = torch.stack([v.abs().amax() for v in values]).float()
+        bad = ~torch.isfinite(amax).all()
+        stats = torch.cat([torch.where(torch.isfinite(amax), amax, torch.zeros_like(amax)), bad.float().view(1)])
+        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
+        self.bytes_sent += self._ring_bytes(stats.numel(), 4)
+        factor = {"pre": 1.0 / self.world, "post": 1.0, "auto": self.auto.mu}[self.scaling]
+        scale = _pow2_scale(stats[:-1], self.fmt.max, torch.ones_like(stats[:-1])) * factor
+        sizes = torch.tensor([v.numel() for v in values], device=scale.device)
+        return torch.repeat_interleave(scale, sizes), bool(stats[-1] > 0)
+
+    def _fp8_mean(self, x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The mean over ranks of x (scaled by `scale`, shared by all ranks), FP8 on the wire; and the number of
+        shard sums that saturated."""
         n, f = self.world, self.fmt
         numel = x.numel()
         pad = (-numel) % n
         if pad:
-            x = torch.cat([x, x.new_zeros(pad)])
-        # one shared scale: the global amax (MAX over ranks); a non-finite gradient anywhere marks the result NaN
-        local = x.abs().amax()
-        bad = ~torch.isfinite(local)
-        stats = torch.stack([torch.where(bad, torch.zeros_like(local), local), bad.float()])
-        dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
-        self.bytes_sent += self._ring_bytes(2, 4)
-        amax, any_bad = stats[0], stats[1] > 0
-        factor = {"pre": 1.0 / n, "post": 1.0, "auto": self.auto.mu}[self.scaling]
-        scale = _pow2_scale(amax, f.max, torch.ones((), device=x.device)) * factor
+            x, scale = torch.cat([x, x.new_zeros(pad)]), torch.cat([scale, scale.new_ones(pad)])
         q = (x * scale).clamp_(-f.max, f.max).to(f.torch_dtype)
-        # reduce-scatter: rank r receives everyone's shard r (FP8 bytes) and sums it in fp32
+        # reduce-scatter: rank r receives everyone's shard r (FP8 bytes) and sums it in fp32 (same scales on
+        # every rank, so the scaled values add directly)
         received = torch.empty_like(q.view(torch.uint8))
         dist.all_to_all_single(received, q.view(torch.uint8), group=self.group)
         self.bytes_sent += (n - 1) * q.numel() // n
@@ -117,13 +138,7 @@ class GradSync:
         gathered = torch.empty_like(q.view(torch.uint8))
         dist.all_gather_into_tensor(gathered, shard_q.view(torch.uint8), group=self.group)
         self.bytes_sent += (n - 1) * q.numel() // n
-        dist.all_reduce(over, group=self.group)
-        self.bytes_sent += self._ring_bytes(1, 4)
-        self.overflow_ratio = over.item() / max(numel, 1)
-        if self.scaling == "auto":
-            self.auto.update(self.overflow_ratio)
-        mean = gathered.view(f.torch_dtype).float()[:numel] / (scale * n)
-        return torch.where(any_bad, torch.full_like(mean, float("nan")), mean)
+        return (gathered.view(f.torch_dtype).float() / (scale * n))[:numel], over
 
     def state_dict(self) -> dict:
         return {"auto": self.auto.state_dict()}
