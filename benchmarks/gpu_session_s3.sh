@@ -29,3 +29,9 @@ if [ "${1:-a}" = c ]; then
   timeout 240 python3 benchmarks/profile_step.py --preset 350m --recipes fp4,fp8-tensorwise,bf16 --rows 18 2>&1 \
     | grep -v -E "^(W|I)[0-9]{4}|warn" | tee "$OUT/profile_350m.txt" | tail -80
 fi
+if [ "${1:-a}" = d ]; then
+  # Part "d": compiled 350m step for the recipes that compile whole (fp4-weights-only has no OCC).
+  timeout 270 python3 benchmarks/optim_1b.py --preset 350m --no-optimizer-only --steps 10 \
+    --recipes fp8-tensorwise,fp4-weights-only,bf16 --out "$OUT/fp4wo_step_350m.json" 2>&1 \
+    | tee "$OUT/fp4wo_step_350m.txt" | grep -v -E "^(W|I)[0-9]{4}|warn" | tail -8
+fi

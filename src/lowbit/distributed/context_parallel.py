@@ -29,6 +29,9 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
 
 
+SENT = {"bytes": 0}  # what this process's rings put on the wire (the trainer reports and resets it per step)
+
+
 class _Ring:
     """Send to the next rank of the group, receive from the previous one."""
 
@@ -41,6 +44,7 @@ class _Ring:
     def start(self, tensors: list[torch.Tensor]):
         bufs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
+        SENT["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
         ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in bufs]
         return bufs, dist.batch_isend_irecv(ops)
 

@@ -23,6 +23,7 @@ from lowbit.formats import get_format
 from lowbit.optim.grad_scaling import AutoScale
 from lowbit.optim.precision import _pow2_scale
 
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 BUCKET = 1 << 25  # elements per exchange (128 MiB of fp32): bounds the extra memory of the flat copy
 
 
@@ -136,7 +137,7 @@ class GradSync:
         over = (shard.abs() > f.max).sum().float()
         shard_q = shard.clamp_(-f.max, f.max).to(f.torch_dtype)
         gathered = torch.empty_like(q.view(torch.uint8))
-        dist.all_gather_into_tensor(gathered, shard_q.view(torch.uint8), group=self.group)
+        _all_gather(gathered, shard_q.view(torch.uint8), group=self.group)
         self.bytes_sent += (n - 1) * q.numel() // n
         return (gathered.view(f.torch_dtype).float() / (scale * n))[:numel], over
 

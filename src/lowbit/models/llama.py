@@ -48,7 +48,7 @@ class ModelArgs:
     init_std: float = 0.02
     attention: str = "sdpa"
     performer_features: int | None = None  # None: default_features(head_dim)
-    performer_chunk: int = 128
+    performer_chunk: int = 256
     performer_redraw: int = 1000
     checkpointing: str = "none"
 

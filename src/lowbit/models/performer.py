@@ -140,7 +140,7 @@ class CausalLinearAttention(torch.autograd.Function):
 
 
 def favor_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, w: torch.Tensor, causal: bool = True,
-                    chunk: int = 128) -> torch.Tensor:
+                    chunk: int = 256) -> torch.Tensor:
     """FAVOR+ attention of q [B, H, L, d] over k, v [B, H, L, d] (k, v already repeated for GQA) with features
     w [M, d]. The feature map runs in fp32 (fp64 for fp64 inputs): the exponentials need its range; the products
     in the inputs' dtype; the result is in the inputs' dtype."""

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
+from lowbit.distributed import context_parallel
 from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
@@ -325,6 +326,7 @@ def train(cfg: Config) -> dict:
             # Telemetry steps run the eager model: its statistics are host-side Python, which torch.compile
             # would have to break the graph for (same numerics either way).
             forward = model if telemetry else step_fn
+            grad_sync.bytes_sent, context_parallel.SENT["bytes"] = 0, 0  # this step's traffic
             if positions is not None:  # this rank's zigzag shard of every sequence
                 x, y = x[:, positions.cpu()], y[:, positions.cpu()]
             for xm, ym in zip(x.split(micro), y.split(micro)):
@@ -335,7 +337,6 @@ def train(cfg: Config) -> dict:
                 loss_sum += loss.detach()
             for layer in lp_layers.values():
                 layer.telemetry_armed = False
-            grad_sync.bytes_sent = 0
             grad_sync.sync(optimizer)  # the mean over replicas (nothing in a single process)
             grad_norm = optimizer.clip_grad_norm_(t.grad_clip or float("inf"))
             loss_value = mean_over(loss_sum, replicas).item() / n_micro
@@ -368,7 +369,9 @@ def train(cfg: Config) -> dict:
 
             record = {"step": step, "loss": _finite_or_none(loss_value), "lr": lr,
                       "grad_norm": _finite_or_none(grad_norm.item()),
-                      "tokens": tokens_seen, **({"comm_bytes": grad_sync.bytes_sent} if mesh.world > 1 else {}),
+                      "tokens": tokens_seen, **({"comm_bytes": grad_sync.bytes_sent + context_parallel.SENT["bytes"],
+                         "comm_bytes_grad": grad_sync.bytes_sent, "comm_bytes_cp": context_parallel.SENT["bytes"]}
+                        if mesh.world > 1 else {}),
                       **({"skipped": not finite, "skipped_steps": skipped} if skipped else {})}
             if step == start_step + 1:  # the first step pays for compilation and warm-up: time from here on
                 run_t0, window_t0, window_tokens = time.perf_counter(), time.perf_counter(), 0

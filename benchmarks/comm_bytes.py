@@ -1,0 +1,67 @@
+"""Bytes on the wire per training step for each parallel layout, gradient exchange in fp32, bf16 and fp8: the
+tiny preset, 4 processes on CPU (gloo), launched with torchrun, 3 steps each; numbers read from metrics.jsonl
+(`comm_bytes_grad`: the data-parallel gradient exchange; `comm_bytes_cp`: K/V and their gradients around the
+context-parallel ring). Per rank (every rank sends the same amount).
+
+    python benchmarks/comm_bytes.py [--nproc 4] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+LAYOUTS = {"dp4": ["--parallel.dp", "4"], "dp2 x cp2": ["--parallel.dp", "2", "--parallel.cp", "2"],
+           "cp4 (ring)": ["--parallel.cp", "4"]}
+COMMON = ["--train.steps", "3", "--train.eval_every", "0", "--train.batch_size", "16", "--data.seq_len", "128",
+          "--run.plot", "false", "--train.log_every", "1"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, layout in LAYOUTS.items():
+            for sync in ("fp32", "bf16", "fp8"):
+                if "dp" not in name and sync != "fp32":
+                    continue  # cp alone averages gradients over the cp ranks: same exchange, shown once
+                run = Path(tmp, f"{name}-{sync}".replace(" ", ""))
+                cmd = [torchrun, "--nproc-per-node", str(a.nproc), "-m", "lowbit", "train", *COMMON, *layout,
+                       "--parallel.grad_sync", sync, "--run.dir", str(run)]
+                subprocess.run(cmd, check=True, capture_output=True)
+                recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+                last = [r for r in recs if "comm_bytes" in r][-1]
+                rows.append({"layout": name, "grad_sync": sync, "grad_bytes": last["comm_bytes_grad"],
+                             "cp_bytes": last["comm_bytes_cp"], "loss_step3": last["loss"]})
+                print(json.dumps(rows[-1]), flush=True)
+    header = {"device": f"cpu ({a.nproc} gloo processes)", "torch": torch.__version__,
+              "python": platform.python_version(),
+              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              "command": " ".join(["python"] + sys.argv)}
+    print(f"\n{header['device']} | torch {torch.__version__} | {header['date']} | `{header['command']}`\n")
+    print("| layout | gradient exchange | gradient bytes/step/rank | vs bf16 | ring (cp) bytes/step/rank |")
+    print("|---|---|---|---|---|")
+    for r in rows:
+        bf16 = next((x["grad_bytes"] for x in rows if x["layout"] == r["layout"] and x["grad_sync"] == "bf16"),
+                    None)
+        rel = f"{r['grad_bytes'] / bf16:.3f}x" if bf16 else ""
+        print(f"| {r['layout']} | {r['grad_sync']} | {r['grad_bytes']:,} | {rel} | {r['cp_bytes']:,} |")
+    if a.out:
+        Path(a.out).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
