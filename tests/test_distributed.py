@@ -164,3 +164,15 @@ def test_layout_errors_on_every_rank_without_hanging(single, extra, msg, capfd):
     codes = spawn(2, _bad_layout, extra, single[1], timeout=120)
     assert codes == [2, 2]
     assert msg in capfd.readouterr().err
+
+
+def test_checkpoint_of_one_layout_resumes_under_another(single, tmp_path):
+    """Weights and optimizer states are whole on every replica, so a dp/cp checkpoint is a single-process one:
+    dp2 stops at step 2, cp2 continues to 3, and the losses are the single-process run's."""
+    base_dir, cache = single
+    run = tmp_path / "moved"
+    spawn(2, _train, str(run), ["--parallel.dp", "2", "--train.stop_at", "2"], cache)
+    spawn(2, _train, str(run), ["--parallel.cp", "2", "--run.resume"], cache)
+    base, got = losses(base_dir), losses(run)
+    assert base.keys() == got.keys()
+    assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
