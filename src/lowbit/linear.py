@@ -22,7 +22,7 @@ from torch import nn
 from lowbit.fp4 import DGE, OCC, dge_factor, occ_split
 from lowbit.gemm import scaled_matmul
 from lowbit.qtensor import QTensor, quantize
-from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+from lowbit.scaling import Scaling, ScalingState, all_max, expand_groups, group_amax, scale_from_amax
 
 OPERANDS = ("input", "weight", "grad_output")
 
@@ -77,7 +77,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_updates, go_sink,
-                telemetry_layer, x_clamped=None, residual=None):
+                telemetry_layer, x_clamped=None, residual=None, go_group=None):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
@@ -94,7 +94,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         ctx.residual = residual
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
-        ctx.recipe, ctx.report, ctx.telemetry_layer = r, go_sink is not None, telemetry_layer
+        ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, go_sink is not None, telemetry_layer, go_group
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
@@ -107,6 +107,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
             amax = group_amax(dy2, g)
+            if ctx.go_group is not None:  # dy is split over tensor-parallel ranks: the whole tensor's amax
+                amax = all_max(amax, ctx.go_group)
             scale, bad = scale_from_amax(amax, g, fallback=go_scale if g.granularity == "tensor" else 1.0)
             if g.strategy == "delayed":  # the scale of past steps; the first cast, with no history, its own
                 scale = torch.where(go_updates == 0, scale, go_scale)
@@ -130,7 +132,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dw = dw + torch.sparse.mm(ctx.residual.t(), dy2.float()).t().to(dw.dtype)
         seen = torch.stack([amax if g.granularity == "tensor" else amax.new_zeros(()), bad.sum().float()]) \
             if ctx.report else None
-        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None
+        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None
 
 
 def _scaling_states(recipe: LinearRecipe, device) -> nn.ModuleDict:
@@ -180,7 +182,7 @@ class LowPrecisionLinear(nn.Linear):
         # Copies: the state may move on before this backward runs (another micro-batch's backward, a pipeline)
         y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(), go.updates.clone(),
                                       go.sink(x.device) if update else None, self if self.telemetry_armed else None,
-                                      x2 if r.occ is not None else None, residual)
+                                      x2 if r.occ is not None else None, residual, go.amax_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

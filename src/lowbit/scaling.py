@@ -99,6 +99,16 @@ def group_amax(x: torch.Tensor, s: Scaling) -> torch.Tensor:
     return a.view(a.shape[0] // r, r, a.shape[1] // c, c).amax(dim=(1, 3))
 
 
+def all_max(amax: torch.Tensor, group) -> torch.Tensor:
+    """The MAX of `amax` over a process group: the shards of one tensor (tensor parallelism) share the scale of
+    the whole."""
+    import torch.distributed as dist
+
+    amax = amax.clone()
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    return amax
+
+
 def expand_groups(t: torch.Tensor, s: Scaling, shape: torch.Size) -> torch.Tensor:
     """Broadcast per-group values (from group_amax's layout) to the full [M, K] shape."""
     if s.granularity in ("tensor", "row", "column"):
@@ -137,6 +147,7 @@ class ScalingState(nn.Module):
         super().__init__()
         self.spec = s
         self.register_buffer("scale", torch.ones(()))
+        self.amax_group = None  # a process group whose ranks hold shards of this tensor (set by tensor parallelism)
         self.register_buffer("amax_history", torch.zeros(s.history if s.strategy == "delayed" else 1))
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
         self.register_buffer("skipped", torch.zeros((), dtype=torch.int64))
@@ -158,6 +169,8 @@ class ScalingState(nn.Module):
         if replay and s.strategy == "delayed":
             return self.last_used  # no new op: selective checkpointing replays ops by count
         amax = group_amax(x, s)
+        if self.amax_group is not None:
+            amax = all_max(amax, self.amax_group)
         if s.strategy == "current":
             scale, bad = scale_from_amax(amax, s, fallback=self.scale if s.granularity == "tensor" else 1.0)
             if update:

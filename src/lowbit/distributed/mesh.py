@@ -29,9 +29,20 @@ def check_layout(cfg, args) -> None:
     if product != world_size():
         raise LowbitError(f"parallel: dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {product}, but {world_size()} "
                           f"process(es) run (torchrun --nproc-per-node sets it)")
-    if p.tp > 1 or p.pp > 1:
-        raise LowbitError(f"parallel.{'tp' if p.tp > 1 else 'pp'}: tensor and pipeline parallelism are not "
-                          f"implemented yet (dp and cp are)")
+    if p.pp > 1:
+        raise LowbitError("parallel.pp: pipeline parallelism is not implemented yet (dp, tp and cp are)")
+    if p.tp > 1:
+        for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.n_kv_heads),
+                        ("model.ffn_dim", args.ffn_dim)):
+            if n % p.tp:
+                raise LowbitError(f"parallel.tp ({p.tp}) must divide {what} ({n})")
+        from lowbit.train.config import optim_precision
+
+        prec = optim_precision(cfg)
+        if (prec.weights, prec.master, prec.grads, prec.exp_avg, prec.exp_avg_sq) != ("fp32", "none", "fp32",
+                                                                                     "fp32", "fp32"):
+            raise LowbitError(f"parallel.tp: recipe {cfg.recipe} keeps optimizer states in low precision, which "
+                              f"tensor parallelism does not shard yet (fp32 states only)")
     if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
         raise LowbitError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by 2*parallel.cp ({2 * p.cp}): "
                           f"each rank takes two zigzag chunks")

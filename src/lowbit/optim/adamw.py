@@ -115,6 +115,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decay_1d=decay_1d,
                         precision=precision, covered=False)
         self._grads: dict[torch.Tensor, GradStore] = {}
+        self.shard_group = None  # tensor parallelism: the group over which split parameters' norms add up
         self._compile = compile
         self._compiled: dict[str, object] = {}
         self._placeholder: dict[torch.device, torch.Tensor] = {}
@@ -169,15 +170,25 @@ class LowbitAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of all gradients (NaN if any is non-finite); scales them to `max_norm` if above it
         (0 or inf: only measure). A scaled stored gradient is clipped exactly, by changing its scale."""
-        plain = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        stored = [s for s in self._grads.values() if s.filled]
+        plain_params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        plain = [p.grad for p in plain_params]
+        stored_items = [(p, s) for p, s in self._grads.items() if s.filled]
+        stored = [s for _, s in stored_items]
         norms = [n.float() for n in torch._foreach_norm(plain)] if plain else []
         for i in range(0, len(stored), CHUNK):
             run = stored[i:i + CHUNK]
             norms += list(self._fn(_stored_norms, run[0].data.device)([s.data for s in run], [s.scale for s in run]))
         if not norms:
             return torch.zeros(())
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        if self.shard_group is None:
+            total = torch.linalg.vector_norm(torch.stack(norms))
+        else:  # tensor-parallel shards: their squares summed over the group, replicated tensors counted once
+            split = torch.tensor([hasattr(p, "_lowbit_tp_dim") for p in plain_params + [p for p, _ in stored_items]],
+                                 device=norms[0].device)
+            squares = torch.stack(norms).pow(2)
+            part = torch.where(split, squares, torch.zeros_like(squares)).sum()
+            torch.distributed.all_reduce(part, group=self.shard_group)
+            total = (torch.where(split, torch.zeros_like(squares), squares).sum() + part).sqrt()
         if stored:
             bad = torch.stack([s.nonfinite for s in stored]).any()
             total = torch.where(bad, torch.full_like(total, float("nan")), total)

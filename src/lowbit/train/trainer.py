@@ -24,6 +24,7 @@ from lowbit.distributed import context_parallel
 from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
+from lowbit.distributed.tensor_parallel import apply_tensor_parallel, full_state, shard_state
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
 from lowbit.models.performer import redraw_features
@@ -217,18 +218,25 @@ def train(cfg: Config) -> dict:
     torch.manual_seed(t.seed)
     random.seed(t.seed)
     model = Llama(args).to(device)
+    n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)  # before any split
     conversion = convert(model, recipe)
     positions = None  # this rank's positions in the sequence, under context parallelism
     if mesh.sizes["cp"] > 1:
         apply_context_parallel(model, mesh.group("cp"), cfg.data.seq_len, cfg.parallel.cp_impl)
         positions = zigzag_positions(cfg.data.seq_len, mesh.sizes["cp"], mesh.coords["cp"]).to(device)
+    tp_group = mesh.group("tp")
+    if tp_group is not None:
+        apply_tensor_parallel(model, tp_group)
     grad_sync = GradSync(replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
+    optimizer.shard_group = tp_group
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
 
     def restore(path: Path, loaded) -> tuple[int, int]:
         model_state, state, info = loaded
+        if tp_group is not None:  # checkpoints hold whole tensors: take this rank's slices
+            model_state, state["optimizer"] = shard_state(model, optimizer, model_state, state["optimizer"], tp_group)
         try:
             model.load_state_dict(model_state)
         except RuntimeError as e:  # e.g. numerics filters that convert other layers than the checkpoint's
@@ -260,7 +268,9 @@ def train(cfg: Config) -> dict:
         return torch.autocast(device.type, dtype=dtype)
 
     def save_checkpoint(step: int) -> Path:
-        state = {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
+        model_state, opt_state = (model.state_dict(), optimizer.state_dict()) if tp_group is None else \
+            full_state(model, optimizer, tp_group)  # whole tensors: a checkpoint fits every layout
+        state = {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
                  "grad_sync": grad_sync.state_dict()}
         # The loader position is the step: the data order is a pure function of (seed, step).
         info = {"step": step, "tokens_seen": tokens_seen, "data_position": {"batch": step, "seed": t.seed,
@@ -270,19 +280,18 @@ def train(cfg: Config) -> dict:
                 "dataset": str(data_path)}
         # Replicas hold the same weights and optimizer: rank 0 writes; the others wait so a rollback or a resume
         # that follows reads a complete checkpoint.
-        path = ckpt.save(run_dir, step, model.state_dict(), state, info, keep=cfg.checkpoint.keep) if lead else None
+        path = ckpt.save(run_dir, step, model_state, state, info, keep=cfg.checkpoint.keep) if lead else None
         if mesh.world > 1:
             torch.distributed.barrier()
         return path
 
-    n_params = model.num_params()
     micro = t.micro_batch_size or loader.local_batch  # per replica
     n_micro = loader.local_batch // micro
     tokens_per_step = t.batch_size * cfg.data.seq_len
     peak = gpu_peak_flops(device) if dtype == torch.bfloat16 else None
-    flops_per_step = model.flops_per_token(cfg.data.seq_len) * tokens_per_step
+    flops_per_step = flops_per_token * tokens_per_step / mesh.world  # per process: MFU is per GPU
     last_step = t.stop_at or t.steps
-    layout = " | " + " x ".join(f"{d} {mesh.sizes[d]}" for d in ("dp", "cp") if mesh.sizes[d] > 1) \
+    layout = " | " + " x ".join(f"{d} {mesh.sizes[d]}" for d in ("dp", "cp", "tp") if mesh.sizes[d] > 1) \
         if mesh.world > 1 else ""
     say(f"lowbit: {n_params / 1e6:.2f}M parameters ({args.n_layers} layers, dim {args.dim}, vocab "
           f"{args.vocab_size}) | recipe {recipe.name} | {dtype} on {device} | {t.batch_size}x{cfg.data.seq_len} "

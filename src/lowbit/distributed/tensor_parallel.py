@@ -1,0 +1,138 @@
+"""Tensor parallelism (Megatron-LM): each of tp ranks holds 1/tp of every block's attention heads and MLP width.
+
+    column-parallel  wq, wk, wv, w1, w3: output features split; the input is whole on every rank, so backward
+                     all-reduces its gradient (`_CopyToTP`)
+    row-parallel     wo, w2: input features split; forward all-reduces the partial outputs (`_ReduceFromTP`)
+
+Embeddings, norms and the output head stay whole (replicated, with equal gradients on every tp rank). Applied to a
+built, converted model by renaming nothing: the linears keep their names and get their shard and two hooks.
+
+Low precision: a shard must be cast as the whole tensor would be. Where a scaling group (the tensor, or a row split
+along the reduction dimension) spans the shards, its amax is all-reduced (MAX) over the tp group, so every rank
+uses the scale of the whole tensor: the weight of every split linear and the gradient of column-parallel outputs
+and the inputs of row-parallel linears, at tensor granularity, and the rows that a split cuts at row granularity.
+Blocks (block, mx) are never cut when the shard width is a multiple of the block: nothing to reduce.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from lowbit.errors import LowbitError
+from lowbit.linear import LowPrecisionLinear
+
+COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
+ROW = ("attention.wo", "feed_forward.w2")
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        g = g.contiguous().clone()
+        dist.all_reduce(g, group=ctx.group)
+        return g, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def _shard(linear: nn.Linear, dim: int, tp: int, rank: int) -> None:
+    w = linear.weight
+    if w.shape[dim] % tp:
+        raise LowbitError(f"parallel.tp: a linear of shape {tuple(w.shape)} cannot be split {tp} ways")
+    linear.weight = nn.Parameter(w.detach().chunk(tp, dim)[rank].clone(), requires_grad=w.requires_grad)
+    linear.weight._lowbit_tp_dim = dim  # checkpoints gather along it; clipping sums its norm over tp
+    linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
+
+
+def _amax_groups(layer: LowPrecisionLinear, column: bool, group) -> None:
+    """Which of the layer's operands have scaling groups that span the shards (see the module docstring)."""
+    r = layer.recipe
+    for operand, spec in (("input", r.input), ("weight", r.weight), ("grad_output", r.grad_output)):
+        g = spec.granularity
+        if g in ("block", "mx"):
+            width = layer.weight.shape[1] if not column else layer.weight.shape[0]
+            if width % spec.group[1]:
+                raise LowbitError(f"parallel.tp: shard width {width} is not a multiple of the {g} size "
+                                  f"{spec.group[1]}")
+            continue
+        if g == "column":
+            raise LowbitError("parallel.tp: column-granularity scaling is not supported with tensor parallelism")
+        split = {("input", True): False, ("weight", True): g == "tensor", ("grad_output", True): True,
+                 ("input", False): True, ("weight", False): True, ("grad_output", False): False}[operand, column]
+        layer.scaling[operand].amax_group = group if split else None
+
+
+def apply_tensor_parallel(model: nn.Module, group) -> None:
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for name, m in model.named_modules():
+        column, row = name.endswith(COLUMN), name.endswith(ROW)
+        if not (column or row):
+            continue
+        _shard(m, 0 if column else 1, tp, rank)
+        if isinstance(m, LowPrecisionLinear):
+            _amax_groups(m, column, group)
+        if column:
+            m.register_forward_pre_hook(lambda mod, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+        else:
+            m.register_forward_hook(lambda mod, args, out: _ReduceFromTP.apply(out, group))
+    for m in model.modules():
+        if hasattr(m, "n_kv_heads") and hasattr(m, "wq"):
+            m.n_heads, m.n_kv_heads = m.n_heads // tp, m.n_kv_heads // tp
+
+
+def sharded_names(model: nn.Module) -> dict[str, int]:
+    """name -> split dim of every tensor-parallel parameter."""
+    return {n: p._lowbit_tp_dim for n, p in model.named_parameters() if hasattr(p, "_lowbit_tp_dim")}
+
+
+def gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim)
+
+
+def full_state(model: nn.Module, optimizer, group) -> tuple[dict, dict]:
+    """The model and optimizer state dicts with every shard gathered: what one process would hold."""
+    dims = sharded_names(model)
+    model_state = {k: gather(v, dims[k], group) if k in dims else v for k, v in model.state_dict().items()}
+    opt_state = optimizer.state_dict()
+    by_index = _index_dims(model, optimizer)
+    # state_dict() shares the live per-parameter dicts: build new ones
+    opt_state["state"] = {i: {k: gather(v, by_index[i], group) if i in by_index and isinstance(v, torch.Tensor)
+                              and v.dim() > 0 else v for k, v in st.items()} for i, st in opt_state["state"].items()}
+    return model_state, opt_state
+
+
+def shard_state(model: nn.Module, optimizer, model_state: dict, opt_state: dict, group) -> tuple[dict, dict]:
+    """The inverse of full_state: this rank's slices of whole tensors."""
+    tp, rank = dist.get_world_size(group), dist.get_rank(group)
+    dims = sharded_names(model)
+    model_state = {k: v.chunk(tp, dims[k])[rank].clone() if k in dims else v for k, v in model_state.items()}
+    by_index = _index_dims(model, optimizer)
+    opt_state = dict(opt_state, state={
+        i: {k: v.chunk(tp, by_index[i])[rank].clone() if i in by_index and isinstance(v, torch.Tensor)
+            and v.dim() > 0 else v for k, v in st.items()} for i, st in opt_state["state"].items()})
+    return model_state, opt_state
+
+
+def _index_dims(model, optimizer) -> dict[int, int]:
+    """Optimizer state index (torch's numbering: parameters in group order) -> split dim."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    return {i: p._lowbit_tp_dim for i, p in enumerate(params) if hasattr(p, "_lowbit_tp_dim")}
