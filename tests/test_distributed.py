@@ -158,7 +158,9 @@ def _bad_layout(rank, world, extra, cache):
 @pytest.mark.parametrize("extra,msg", [
     (["--parallel.cp", "2", "--data.seq_len", "30"], "divisible by 2*parallel.cp"),
     (["--parallel.pp", "2"], "not implemented yet"),
-    (["--parallel.tp", "2", "--recipe", "fp8lm-o2"], "fp32 states only"),
+    (["--parallel.tp", "2"], "must divide model.n_kv_heads"),
+    (["--parallel.tp", "2", "--recipe", "fp8lm-o2", "--model.n_heads", "4", "--model.n_kv_heads", "2"],
+     "fp32 states only"),
     (["--parallel.dp", "2", "--parallel.pp", "1", "--parallel.cp", "1", "--train.batch_size", "3"], "divisible by"),
 ])
 def test_layout_errors_on_every_rank_without_hanging(single, extra, msg, capfd):
