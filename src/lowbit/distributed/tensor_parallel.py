@@ -108,11 +108,12 @@ def gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
     return torch.cat(parts, dim)
 
 
-def full_state(model: nn.Module, optimizer, group) -> tuple[dict, dict]:
-    """The model and optimizer state dicts with every shard gathered: what one process would hold."""
+def full_state(model: nn.Module, optimizer, group, opt_state: dict | None = None) -> tuple[dict, dict]:
+    """The model and optimizer state dicts with every shard gathered: what one process would hold. `opt_state`:
+    the optimizer's state dict if it is not optimizer.state_dict() (ZeRO gathers it first)."""
     dims = sharded_names(model)
     model_state = {k: gather(v, dims[k], group) if k in dims else v for k, v in model.state_dict().items()}
-    opt_state = optimizer.state_dict()
+    opt_state = dict(opt_state or optimizer.state_dict())
     by_index = _index_dims(model, optimizer)
     # state_dict() shares the live per-parameter dicts: build new ones
     opt_state["state"] = {i: {k: gather(v, by_index[i], group) if i in by_index and isinstance(v, torch.Tensor)

@@ -116,6 +116,7 @@ class LowbitAdamW(torch.optim.Optimizer):
                         precision=precision, covered=False)
         self._grads: dict[torch.Tensor, GradStore] = {}
         self.shard_group = None  # tensor parallelism: the group over which split parameters' norms add up
+        self.owned: set | None = None  # ZeRO-1: the parameters whose states this process keeps (None: all)
         self._compile = compile
         self._compiled: dict[str, object] = {}
         self._placeholder: dict[torch.device, torch.Tensor] = {}
@@ -129,6 +130,12 @@ class LowbitAdamW(torch.optim.Optimizer):
         group["precision"] = dict(prec.__dict__)  # plain strings: state_dict stays loadable anywhere
         for p in group["params"]:
             self._init_param(p, prec)
+
+    def shard(self, owned: set) -> None:
+        """ZeRO-1: keep states (and update weights) only for `owned`; the owners broadcast the others' weights."""
+        self.owned = owned
+        for p in [p for g in self.param_groups for p in g["params"] if p not in owned]:
+            self.state.pop(p, None)
 
     @staticmethod
     def precision_of(group) -> StatePrecision:
@@ -222,7 +229,8 @@ class LowbitAdamW(torch.optim.Optimizer):
         for group in self.param_groups:
             prec = self.precision_of(group)
             beta1, beta2 = group["betas"]
-            pairs = [(p, g) for p in group["params"] if (g := self._grad_for_step(p)) is not None]
+            pairs = [(p, g) for p in group["params"] if (self.owned is None or p in self.owned)
+                     and (g := self._grad_for_step(p)) is not None]
             if not pairs:
                 continue
             wd_of = [group["weight_decay"] if (p.dim() >= 2 or group["decay_1d"]) else 0.0 for p, _ in pairs]
@@ -288,6 +296,6 @@ class LowbitAdamW(torch.optim.Optimizer):
         for g, h in zip(groups, hyper):
             g.update(h)
         for i, p in zip(ids, params):
-            if i in state_dict["state"]:
+            if i in state_dict["state"] and (self.owned is None or p in self.owned):
                 self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v
                                  for k, v in state_dict["state"][i].items()}

@@ -25,7 +25,7 @@ def memory_report(optimizer: LowbitAdamW) -> dict:
         for group in groups:
             bpp = optimizer.precision_of(group).bytes_per_param()
             for p in group["params"]:
-                st = optimizer.state[p]
+                st = optimizer.state.get(p, {})  # none: ZeRO-1 keeps it on another replica
                 store = optimizer._grads.get(p)
                 measured["weights"] += _nbytes(p)
                 measured["grads"] += _nbytes(store.data) if store is not None else _nbytes(p.grad)

@@ -115,6 +115,7 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel degree (stages cut between blocks)")
     cp: int = opt(1, "context-parallel degree (the sequence split, zigzag for causal load balance)")
     cp_impl: str = opt("ring", "context-parallel attention: ring (online softmax) | rsa (ring self-attention)")
+    zero: int = opt(0, "ZeRO stage over the replicas: 0 | 1 (optimizer states sharded, owners broadcast weights)")
     grad_sync: str = opt("fp32", "data-parallel gradient exchange: fp32 | bf16 | fp8 (FP8 bytes, fp32 sums)")
     grad_sync_format: str = opt("e4m3", "FP8 format of the fp8 gradient exchange: e4m3 | e5m2")
     grad_scaling: str = opt("auto", "fp8 gradient exchange scaling (FP8-LM): pre | post | auto")
@@ -261,6 +262,7 @@ CHOICES = {
     "model.checkpointing": ("none", "full", "selective"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "parallel.cp_impl": ("ring", "rsa"),
+    "parallel.zero": (0, 1),
     "parallel.grad_sync": ("fp32", "bf16", "fp8"),
     "parallel.grad_sync_format": ("e4m3", "e5m2"),
     "parallel.grad_scaling": ("pre", "post", "auto"),

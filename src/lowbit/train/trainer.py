@@ -25,6 +25,7 @@ from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_p
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
 from lowbit.distributed.tensor_parallel import apply_tensor_parallel, full_state, shard_state
+from lowbit.distributed.zero import Zero1
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
 from lowbit.models.performer import redraw_features
@@ -231,6 +232,7 @@ def train(cfg: Config) -> dict:
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
     optimizer.shard_group = tp_group
+    zero = Zero1(optimizer, replicas) if cfg.parallel.zero and replicas is not None else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
 
     def restore(path: Path, loaded) -> tuple[int, int]:
@@ -268,8 +270,10 @@ def train(cfg: Config) -> dict:
         return torch.autocast(device.type, dtype=dtype)
 
     def save_checkpoint(step: int) -> Path:
-        model_state, opt_state = (model.state_dict(), optimizer.state_dict()) if tp_group is None else \
-            full_state(model, optimizer, tp_group)  # whole tensors: a checkpoint fits every layout
+        # whole tensors, every replica's optimizer share: a checkpoint fits every layout
+        opt_state = zero.state_dict() if zero is not None else optimizer.state_dict()
+        model_state, opt_state = (model.state_dict(), opt_state) if tp_group is None else \
+            full_state(model, optimizer, tp_group, opt_state)
         state = {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
                  "grad_sync": grad_sync.state_dict()}
         # The loader position is the step: the data order is a pure function of (seed, step).
@@ -336,6 +340,8 @@ def train(cfg: Config) -> dict:
             # would have to break the graph for (same numerics either way).
             forward = model if telemetry else step_fn
             grad_sync.bytes_sent, context_parallel.SENT["bytes"] = 0, 0  # this step's traffic
+            if zero is not None:
+                zero.bytes_sent = 0
             if positions is not None:  # this rank's zigzag shard of every sequence
                 x, y = x[:, positions.cpu()], y[:, positions.cpu()]
             for xm, ym in zip(x.split(micro), y.split(micro)):
@@ -354,6 +360,8 @@ def train(cfg: Config) -> dict:
             if finite:
                 bad_run = 0
                 optimizer.step()
+                if zero is not None:  # each replica updated its share of the weights: exchange them
+                    zero.broadcast()
             else:  # skip the update: nothing non-finite reaches the weights or the optimizer states
                 skipped, bad_run = skipped + 1, bad_run + 1
                 say(f"lowbit: step {step}: non-finite {'loss' if not math.isfinite(loss_value) else 'gradients'}"
@@ -378,8 +386,10 @@ def train(cfg: Config) -> dict:
 
             record = {"step": step, "loss": _finite_or_none(loss_value), "lr": lr,
                       "grad_norm": _finite_or_none(grad_norm.item()),
-                      "tokens": tokens_seen, **({"comm_bytes": grad_sync.bytes_sent + context_parallel.SENT["bytes"],
-                         "comm_bytes_grad": grad_sync.bytes_sent, "comm_bytes_cp": context_parallel.SENT["bytes"]}
+                      "tokens": tokens_seen, **({"comm_bytes": grad_sync.bytes_sent + context_parallel.SENT["bytes"]
+                                                  + (zero.bytes_sent if zero is not None else 0),
+                         "comm_bytes_grad": grad_sync.bytes_sent, "comm_bytes_cp": context_parallel.SENT["bytes"],
+                         **({"comm_bytes_zero": zero.bytes_sent} if zero is not None else {})}
                         if mesh.world > 1 else {}),
                       **({"skipped": not finite, "skipped_steps": skipped} if skipped else {})}
             if step == start_step + 1:  # the first step pays for compilation and warm-up: time from here on
