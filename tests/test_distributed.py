@@ -293,3 +293,35 @@ def test_zero1_with_low_precision_states_resumes_elsewhere(tmp_path, single):
     assert cli_main(["train", *SMALL, *STEPS, *o2, "--run.dir", str(sharded), "--run.resume"]) == 0
     a, b = losses(plain), losses(sharded)
     assert all(abs(a[s] - b[s]) <= 2e-3 * abs(a[s]) for s in a), (a, b)  # bf16 autocast: reduction order
+
+
+@pytest.mark.parametrize("name,world,extra", [
+    ("tp2-sp", 2, ["--parallel.tp", "2", "--parallel.sequence_parallel"]),
+    ("dp2-tp2-sp", 4, ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel"]),
+])
+def test_sequence_parallel_matches_single_process(single_tp, tmp_path, name, world, extra):
+    base_dir, cache = single_tp
+    run = run_layout(tmp_path, name, world, [*HEADS, *extra], cache)
+    base, got = losses(base_dir), losses(run)
+    assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
+    w0, w1 = _weights_after_training(base_dir), _weights_after_training(run)
+    for k, v in w0.items():
+        if v.is_floating_point():
+            torch.testing.assert_close(w1[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_sequence_parallel_fp8_gather_matches_tensor_parallel(single_tp, tmp_path):
+    """Under fp8-tensorwise the activation gather travels as E4M3 with the scale the next linear computes anyway:
+    the same losses as plain tp (whose linears cast the same values)."""
+    cache = single_tp[1]
+    fp8 = [*HEADS, "--recipe", "fp8-tensorwise", "--parallel.tp", "2"]
+    tp = run_layout(tmp_path, "tp", 2, fp8, cache)
+    sp = run_layout(tmp_path, "sp", 2, [*fp8, "--parallel.sequence_parallel"], cache)
+    a, b = losses(tp), losses(sp)
+    assert all(abs(a[s] - b[s]) <= 1e-4 * abs(a[s]) for s in a), (a, b)
+    sp_bf16 = run_layout(tmp_path, "sp-bf16", 2, [*HEADS, "--parallel.tp", "2", "--parallel.sequence_parallel"], cache)
+    def tp_bytes(run_dir):
+        return [r["comm_bytes_tp"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+                if "comm_bytes_tp" in r][-1]
+
+    assert tp_bytes(sp) < tp_bytes(sp_bf16)  # the forward gathers went as 1 byte per value instead of 4

@@ -43,6 +43,9 @@ def check_layout(cfg, args) -> None:
                                                                                      "fp32", "fp32"):
             raise LowbitError(f"parallel.tp: recipe {cfg.recipe} keeps optimizer states in low precision, which "
                               f"tensor parallelism does not shard yet (fp32 states only)")
+    if p.sequence_parallel and (p.tp == 1 or cfg.data.seq_len % p.tp or p.cp > 1):
+        raise LowbitError(f"parallel.sequence_parallel: needs parallel.tp > 1 dividing data.seq_len "
+                          f"({cfg.data.seq_len}), and no parallel.cp")
     if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
         raise LowbitError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by 2*parallel.cp ({2 * p.cp}): "
                           f"each rank takes two zigzag chunks")

@@ -23,6 +23,15 @@ from torch import nn
 from lowbit.errors import LowbitError
 from lowbit.linear import LowPrecisionLinear
 
+SENT = {"bytes": 0}  # what this process's tensor-parallel collectives send (ring all-reduce: 2(n-1)/n of it)
+
+
+def _all_reduce(x: torch.Tensor, group) -> None:
+    n = dist.get_world_size(group)
+    SENT["bytes"] += 2 * (n - 1) * x.numel() * x.element_size() // n
+    dist.all_reduce(x, group=group)
+
+
 COLUMN = ("attention.wq", "attention.wk", "attention.wv", "feed_forward.w1", "feed_forward.w3")
 ROW = ("attention.wo", "feed_forward.w2")
 
@@ -36,7 +45,7 @@ class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         g = g.contiguous().clone()
-        dist.all_reduce(g, group=ctx.group)
+        _all_reduce(g, ctx.group)
         return g, None
 
 
@@ -44,7 +53,7 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         x = x.contiguous().clone()
-        dist.all_reduce(x, group=group)
+        _all_reduce(x, group)
         return x
 
     @staticmethod
@@ -137,3 +146,104 @@ def _index_dims(model, optimizer) -> dict[int, int]:
     """Optimizer state index (torch's numbering: parameters in group order) -> split dim."""
     params = [p for g in optimizer.param_groups for p in g["params"]]
     return {i: p._lowbit_tp_dim for i, p in enumerate(params) if hasattr(p, "_lowbit_tp_dim")}
+
+
+# ---- sequence parallelism (Megatron-LM SP): outside the split linears, activations are split along the sequence
+
+def _chunk(x: torch.Tensor, group) -> torch.Tensor:
+    n, r = dist.get_world_size(group), dist.get_rank(group)
+    return x.chunk(n, dim=1)[r].contiguous()
+
+
+def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    SENT["bytes"] += (len(parts) - 1) * x.numel() * x.element_size()
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    x = x.contiguous().clone()
+    _all_reduce(x, group)  # gloo has no reduce-scatter: the sum, then this rank's chunk (2x a reduce-scatter)
+    return _chunk(x, group)
+
+
+class _SplitSeq(torch.autograd.Function):
+    """Whole sequence (computed alike on every rank) -> this rank's chunk; backward gathers the chunks' grads."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _chunk(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group), None
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Chunks -> whole sequence, optionally as FP8 bytes (E4M3, one scale from the global amax: the cast the
+    following FP8 linear makes anyway). Backward: `partial` grads (each rank's heads/width) are summed and split;
+    otherwise (a replicated computation follows) each rank keeps its chunk."""
+
+    @staticmethod
+    def forward(ctx, x, group, partial: bool, fp8: bool):
+        ctx.group, ctx.partial = group, partial
+        if not fp8:
+            return _all_gather_seq(x, group)
+        from lowbit.scaling import Scaling, all_max, scale_from_amax
+
+        spec = Scaling("e4m3")
+        scale, _ = scale_from_amax(all_max(x.detach().abs().amax().float(), group), spec, fallback=1.0)
+        fmax = spec.format.max
+        q = (x.float() * scale).clamp(-fmax, fmax).to(torch.float8_e4m3fn).view(torch.uint8)
+        return (_all_gather_seq(q, group).view(torch.float8_e4m3fn).float() / scale).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        return (_reduce_scatter_seq(g, ctx.group) if ctx.partial else _chunk(g, ctx.group)), None, None, None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Partial sums of a row-parallel linear -> their sum, this rank's chunk of the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return _all_gather_seq(g, ctx.group), None
+
+
+def apply_sequence_parallel(model: nn.Module, group) -> None:
+    """On top of apply_tensor_parallel: the residual stream, norms and their inputs hold 1/tp of the sequence.
+    The split linears' copy/reduce become gather/scatter along the sequence; block norm weights then get partial
+    gradients (`sync_partial_grads`)."""
+    fp8 = {}
+    for name, m in model.named_modules():
+        if name.endswith(("attention.wq", "feed_forward.w1")):
+            r = getattr(m, "recipe", None)
+            fp8[name.rsplit(".", 2)[0]] = r is not None and (r.input.fmt, r.input.granularity,
+                                                              r.input.strategy) == ("e4m3", "tensor", "current")
+        if name.endswith(ROW):
+            m._forward_hooks.clear()  # the all-reduce becomes a reduce-scatter
+            m.register_forward_hook(lambda mod, args, out: _ScatterSeq.apply(out, group))
+        elif name.endswith(COLUMN):
+            m._forward_pre_hooks.clear()  # the input arrives whole from the norm's gather
+    model.tok_embeddings.register_forward_hook(lambda mod, args, out: _SplitSeq.apply(out, group))
+    for name, block in model.named_modules():
+        if hasattr(block, "attention_norm") and hasattr(block, "ffn_norm"):
+            for norm in (block.attention_norm, block.ffn_norm):
+                norm.weight._lowbit_sp_partial = True
+                norm.register_forward_hook(
+                    lambda mod, args, out, f=fp8.get(name, False): _GatherSeq.apply(out, group, True, f))
+    model.norm.register_forward_pre_hook(lambda mod, args: (_GatherSeq.apply(args[0], group, False, False),))
+
+
+def sync_partial_grads(model: nn.Module, group) -> None:
+    """Sequence parallelism: sum the gradients that each rank computed on its chunk of the sequence."""
+    for p in model.parameters():
+        if getattr(p, "_lowbit_sp_partial", False) and p.grad is not None:
+            _all_reduce(p.grad, group)

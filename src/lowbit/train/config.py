@@ -112,6 +112,8 @@ class CheckpointConfig:
 class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (replicas; each takes a slice of the global batch)")
     tp: int = opt(1, "tensor-parallel degree (attention heads and MLP width split, Megatron-style)")
+    sequence_parallel: bool = opt(False, "with tp: norms and the residual stream split along the sequence "
+                                         "(Megatron SP); the gather before the split linears in FP8 under fp8-tensorwise")
     pp: int = opt(1, "pipeline-parallel degree (stages cut between blocks)")
     cp: int = opt(1, "context-parallel degree (the sequence split, zigzag for causal load balance)")
     cp_impl: str = opt("ring", "context-parallel attention: ring (online softmax) | rsa (ring self-attention)")

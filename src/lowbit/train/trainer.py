@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
-from lowbit.distributed import context_parallel
+from lowbit.distributed import context_parallel, tensor_parallel
 from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
-from lowbit.distributed.tensor_parallel import apply_tensor_parallel, full_state, shard_state
+from lowbit.distributed.tensor_parallel import (apply_sequence_parallel, apply_tensor_parallel, full_state,
+                                                shard_state, sync_partial_grads)
 from lowbit.distributed.zero import Zero1
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
@@ -228,6 +229,8 @@ def train(cfg: Config) -> dict:
     tp_group = mesh.group("tp")
     if tp_group is not None:
         apply_tensor_parallel(model, tp_group)
+        if cfg.parallel.sequence_parallel:
+            apply_sequence_parallel(model, tp_group)
     grad_sync = GradSync(replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
@@ -339,7 +342,8 @@ def train(cfg: Config) -> dict:
             # Telemetry steps run the eager model: its statistics are host-side Python, which torch.compile
             # would have to break the graph for (same numerics either way).
             forward = model if telemetry else step_fn
-            grad_sync.bytes_sent, context_parallel.SENT["bytes"] = 0, 0  # this step's traffic
+            grad_sync.bytes_sent = 0  # this step's traffic
+            context_parallel.SENT["bytes"] = tensor_parallel.SENT["bytes"] = 0
             if zero is not None:
                 zero.bytes_sent = 0
             if positions is not None:  # this rank's zigzag shard of every sequence
@@ -352,6 +356,8 @@ def train(cfg: Config) -> dict:
                 loss_sum += loss.detach()
             for layer in lp_layers.values():
                 layer.telemetry_armed = False
+            if cfg.parallel.sequence_parallel:
+                sync_partial_grads(model, tp_group)
             grad_sync.sync(optimizer)  # the mean over replicas (nothing in a single process)
             grad_norm = optimizer.clip_grad_norm_(t.grad_clip or float("inf"))
             loss_value = mean_over(loss_sum, replicas).item() / n_micro
@@ -387,7 +393,9 @@ def train(cfg: Config) -> dict:
             record = {"step": step, "loss": _finite_or_none(loss_value), "lr": lr,
                       "grad_norm": _finite_or_none(grad_norm.item()),
                       "tokens": tokens_seen, **({"comm_bytes": grad_sync.bytes_sent + context_parallel.SENT["bytes"]
-                                                  + (zero.bytes_sent if zero is not None else 0),
+                                                  + (zero.bytes_sent if zero is not None else 0)
+                                                  + tensor_parallel.SENT["bytes"],
+                         "comm_bytes_tp": tensor_parallel.SENT["bytes"],
                          "comm_bytes_grad": grad_sync.bytes_sent, "comm_bytes_cp": context_parallel.SENT["bytes"],
                          **({"comm_bytes_zero": zero.bytes_sent} if zero is not None else {})}
                         if mesh.world > 1 else {}),
