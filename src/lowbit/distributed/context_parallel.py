@@ -26,7 +26,8 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     if seq_len % (2 * cp):
         raise LowbitError(f"sequence length {seq_len} must be divisible by 2*cp = {2 * cp}")
     c = seq_len // (2 * cp)
-    return torch.cat([torch.arange(rank * c, (rank + 1) * c), torch.arange((2 * cp - 1 - rank) * c, (2 * cp - rank) * c)])
+    first, second = rank * c, (2 * cp - 1 - rank) * c
+    return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
 
 
 SENT = {"bytes": 0}  # what this process's rings put on the wire (the trainer reports and resets it per step)

@@ -113,7 +113,7 @@ class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (replicas; each takes a slice of the global batch)")
     tp: int = opt(1, "tensor-parallel degree (attention heads and MLP width split, Megatron-style)")
     sequence_parallel: bool = opt(False, "with tp: norms and the residual stream split along the sequence "
-                                         "(Megatron SP); the gather before the split linears in FP8 under fp8-tensorwise")
+                                         "(Megatron SP); activations gathered in FP8 under fp8-tensorwise")
     pp: int = opt(1, "pipeline-parallel degree (stages cut between blocks)")
     cp: int = opt(1, "context-parallel degree (the sequence split, zigzag for causal load balance)")
     cp_impl: str = opt("ring", "context-parallel attention: ring (online softmax) | rsa (ring self-attention)")
@@ -279,7 +279,8 @@ POSITIVE = [
     "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.timeout_s",
 ]
 NON_NEGATIVE = [
-    "model.performer_redraw", "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
+    "model.performer_redraw",
+    "train.stop_at", "train.micro_batch_size", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
     "train.grad_clip", "train.eval_every", "checkpoint.every", "numerics.min_dim", "numerics.telemetry_every",
 ]
 
