@@ -1,7 +1,8 @@
 """Bytes on the wire per training step for each parallel layout, gradient exchange in fp32, bf16 and fp8: the
 tiny preset, 4 processes on CPU (gloo), launched with torchrun, 3 steps each; numbers read from metrics.jsonl
 (`comm_bytes_grad`: the data-parallel gradient exchange; `comm_bytes_cp`: K/V and their gradients around the
-context-parallel ring). Per rank (every rank sends the same amount).
+context-parallel ring; `comm_bytes_tp`: tensor/sequence-parallel activations and gradients; `comm_bytes_zero`: the
+owners' weight broadcasts). Per rank, every step; rank 0's figures.
 
     python benchmarks/comm_bytes.py [--nproc 4] [--out results.json]
 """
@@ -20,9 +21,16 @@ from pathlib import Path
 
 import torch
 
-LAYOUTS = {"dp4": ["--parallel.dp", "4"], "dp2 x cp2": ["--parallel.dp", "2", "--parallel.cp", "2"],
-           "cp4 (ring)": ["--parallel.cp", "4"]}
-COMMON = ["--train.steps", "3", "--train.eval_every", "0", "--train.batch_size", "16", "--data.seq_len", "128",
+LAYOUTS = {"dp4": ["--parallel.dp", "4"],
+           "dp4 + zero1": ["--parallel.dp", "4", "--parallel.zero", "1"],
+           "dp2 x cp2": ["--parallel.dp", "2", "--parallel.cp", "2"],
+           "cp4 (ring)": ["--parallel.cp", "4"],
+           "dp2 x tp2": ["--parallel.dp", "2", "--parallel.tp", "2"],
+           "dp2 x tp2 + sp": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel"],
+           "dp2 x tp2 + sp, fp8-tensorwise": ["--parallel.dp", "2", "--parallel.tp", "2",
+                                              "--parallel.sequence_parallel", "--recipe", "fp8-tensorwise"]}
+SYNCS = {"dp4": ("fp32", "bf16", "fp8"), "dp2 x cp2": ("fp32", "bf16", "fp8"), "dp2 x tp2": ("fp32", "bf16", "fp8")}
+COMMON = ["--model.n_heads", "4", "--model.n_kv_heads", "2", "--train.steps", "3", "--train.eval_every", "0", "--train.batch_size", "16", "--data.seq_len", "128",
           "--run.plot", "false", "--train.log_every", "1"]
 
 
@@ -35,9 +43,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, layout in LAYOUTS.items():
-            for sync in ("fp32", "bf16", "fp8"):
-                if "dp" not in name and sync != "fp32":
-                    continue  # cp alone averages gradients over the cp ranks: same exchange, shown once
+            for sync in SYNCS.get(name, ("fp32",)):
                 run = Path(tmp, f"{name}-{sync}".replace(" ", ""))
                 cmd = [torchrun, "--nproc-per-node", str(a.nproc), "-m", "lowbit", "train", *COMMON, *layout,
                        "--parallel.grad_sync", sync, "--run.dir", str(run)]
@@ -45,20 +51,22 @@ def main() -> None:
                 recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
                 last = [r for r in recs if "comm_bytes" in r][-1]
                 rows.append({"layout": name, "grad_sync": sync, "grad_bytes": last["comm_bytes_grad"],
-                             "cp_bytes": last["comm_bytes_cp"], "loss_step3": last["loss"]})
+                             "cp_bytes": last["comm_bytes_cp"], "tp_bytes": last.get("comm_bytes_tp", 0),
+                             "zero_bytes": last.get("comm_bytes_zero", 0), "loss_step3": last["loss"]})
                 print(json.dumps(rows[-1]), flush=True)
     header = {"device": f"cpu ({a.nproc} gloo processes)", "torch": torch.__version__,
               "python": platform.python_version(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join(["python"] + sys.argv)}
     print(f"\n{header['device']} | torch {torch.__version__} | {header['date']} | `{header['command']}`\n")
-    print("| layout | gradient exchange | gradient bytes/step/rank | vs bf16 | ring (cp) bytes/step/rank |")
-    print("|---|---|---|---|---|")
+    print("| layout | gradient exchange | gradient bytes | vs bf16 | ring (cp) bytes | tp bytes | ZeRO bytes |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         bf16 = next((x["grad_bytes"] for x in rows if x["layout"] == r["layout"] and x["grad_sync"] == "bf16"),
                     None)
         rel = f"{r['grad_bytes'] / bf16:.3f}x" if bf16 else ""
-        print(f"| {r['layout']} | {r['grad_sync']} | {r['grad_bytes']:,} | {rel} | {r['cp_bytes']:,} |")
+        print(f"| {r['layout']} | {r['grad_sync']} | {r['grad_bytes']:,} | {rel} | {r['cp_bytes']:,} | "
+              f"{r['tp_bytes']:,} | {r['zero_bytes']:,} |")
     if a.out:
         Path(a.out).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
 

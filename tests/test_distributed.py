@@ -158,7 +158,7 @@ def _bad_layout(rank, world, extra, cache):
 
 @pytest.mark.parametrize("extra,msg", [
     (["--parallel.cp", "2", "--data.seq_len", "30"], "divisible by 2*parallel.cp"),
-    (["--parallel.pp", "2"], "not implemented yet"),
+    (["--parallel.pp", "2"], "tie_embeddings false"),
     (["--parallel.tp", "2"], "must divide model.n_kv_heads"),
     (["--parallel.tp", "2", "--recipe", "fp8lm-o2", "--model.n_heads", "4", "--model.n_kv_heads", "2"],
      "fp32 states only"),
@@ -325,3 +325,44 @@ def test_sequence_parallel_fp8_gather_matches_tensor_parallel(single_tp, tmp_pat
                 if "comm_bytes_tp" in r][-1]
 
     assert tp_bytes(sp) < tp_bytes(sp_bf16)  # the forward gathers went as 1 byte per value instead of 4
+
+
+UNTIED = ["--model.tie_embeddings", "false", "--train.micro_batch_size", "2"]  # 4 pipeline micro-batches
+
+
+@pytest.fixture(scope="module")
+def single_untied(tmp_path_factory, single):
+    root = tmp_path_factory.mktemp("single-untied")
+    assert cli_main(["train", *SMALL, *STEPS, *UNTIED, "--run.dir", str(root / "run")]) == 0
+    return root / "run", single[1]
+
+
+@pytest.mark.parametrize("name,world,extra", [
+    ("pp2-1f1b", 2, ["--parallel.pp", "2"]),
+    ("pp2-gpipe", 2, ["--parallel.pp", "2", "--parallel.pp_schedule", "gpipe"]),
+    ("dp2-pp2", 4, ["--parallel.dp", "2", "--parallel.pp", "2"]),
+    ("tp2-pp2", 4, ["--parallel.tp", "2", "--parallel.pp", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2"]),
+])
+def test_pipeline_parallel_matches_single_process(single_untied, tmp_path, name, world, extra):
+    base_dir, cache = single_untied
+    if "tp" in name:  # a baseline with the heads tp can split
+        base_dir = tmp_path / "base"
+        assert cli_main(["train", *SMALL, *STEPS, *UNTIED, *extra[4:], "--run.dir", str(base_dir)]) == 0
+    run = run_layout(tmp_path, name, world, [*UNTIED, *extra], cache)
+    base, got = losses(base_dir), losses(run)
+    assert base.keys() == got.keys()
+    assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
+    val = lambda d: losses(d, "val_loss")  # noqa: E731
+    assert abs(val(run)[3] - val(base_dir)[3]) <= 1e-5 * val(base_dir)[3]
+    for k, v in _weights_after_training(base_dir).items():  # gathered from both stages
+        if v.is_floating_point():
+            torch.testing.assert_close(_weights_after_training(run)[k], v, rtol=1e-4, atol=1e-5)
+
+
+def test_pipeline_checkpoint_resumes_in_one_process(single_untied, tmp_path):
+    base_dir, cache = single_untied
+    run = tmp_path / "pp-then-one"
+    spawn(2, _train, str(run), [*UNTIED, "--parallel.pp", "2", "--train.stop_at", "2"], cache)
+    assert cli_main(["train", *SMALL, *STEPS, *UNTIED, "--run.dir", str(run), "--run.resume"]) == 0
+    base, got = losses(base_dir), losses(run)
+    assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)

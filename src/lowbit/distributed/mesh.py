@@ -29,8 +29,11 @@ def check_layout(cfg, args) -> None:
     if product != world_size():
         raise LowbitError(f"parallel: dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {product}, but {world_size()} "
                           f"process(es) run (torchrun --nproc-per-node sets it)")
-    if p.pp > 1:
-        raise LowbitError("parallel.pp: pipeline parallelism is not implemented yet (dp, tp and cp are)")
+    if p.pp > 1 and p.cp > 1:
+        raise LowbitError("parallel.pp: pipeline and context parallelism together are not implemented yet")
+    if p.pp > 1 and args.tie_embeddings:
+        raise LowbitError("parallel.pp: tied input and output embeddings would live on two stages; set "
+                          "--model.tie_embeddings false")
     if p.tp > 1:
         for what, n in (("model.n_heads", args.n_heads), ("model.n_kv_heads", args.n_kv_heads),
                         ("model.ffn_dim", args.ffn_dim)):

@@ -242,17 +242,20 @@ class Llama(nn.Module):
             (self.rope_cos[positions], self.rope_sin[positions])
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            if self.training and self.args.checkpointing == "full":
-                h = checkpoint(layer, h, cos, sin, positions, use_reentrant=False)
-            elif self.training and self.args.checkpointing == "selective":
-                h = checkpoint(layer, h, cos, sin, positions, use_reentrant=False, context_fn=_selective_policy)
-            else:
-                h = layer(h, cos, sin, positions)
+            h = self.run_block(layer, h, cos, sin, positions)
         h = self.norm(h)
         logits = h @ self.head_weight().t() if self.output is None else self.output(h)
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def run_block(self, layer: Block, h: torch.Tensor, cos, sin, positions=None) -> torch.Tensor:
+        """One block, under the activation checkpointing policy (a pipeline stage runs its blocks through this)."""
+        if self.training and self.args.checkpointing == "full":
+            return checkpoint(layer, h, cos, sin, positions, use_reentrant=False)
+        if self.training and self.args.checkpointing == "selective":
+            return checkpoint(layer, h, cos, sin, positions, use_reentrant=False, context_fn=_selective_policy)
+        return layer(h, cos, sin, positions)
 
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -116,6 +116,7 @@ class LowbitAdamW(torch.optim.Optimizer):
                         precision=precision, covered=False)
         self._grads: dict[torch.Tensor, GradStore] = {}
         self.shard_group = None  # tensor parallelism: the group over which split parameters' norms add up
+        self.stage_group = None  # pipeline parallelism: the stages, whose (disjoint) parameters' norms add up
         self.owned: set | None = None  # ZeRO-1: the parameters whose states this process keeps (None: all)
         self._compile = compile
         self._compiled: dict[str, object] = {}
@@ -196,6 +197,10 @@ class LowbitAdamW(torch.optim.Optimizer):
             part = torch.where(split, squares, torch.zeros_like(squares)).sum()
             torch.distributed.all_reduce(part, group=self.shard_group)
             total = (torch.where(split, torch.zeros_like(squares), squares).sum() + part).sqrt()
+        if self.stage_group is not None:
+            squared = total.pow(2)
+            torch.distributed.all_reduce(squared, group=self.stage_group)
+            total = squared.sqrt()
         if stored:
             bad = torch.stack([s.nonfinite for s in stored]).any()
             total = torch.where(bad, torch.full_like(total, float("nan")), total)

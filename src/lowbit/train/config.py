@@ -114,7 +114,9 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree (attention heads and MLP width split, Megatron-style)")
     sequence_parallel: bool = opt(False, "with tp: norms and the residual stream split along the sequence "
                                          "(Megatron SP); activations gathered in FP8 under fp8-tensorwise")
-    pp: int = opt(1, "pipeline-parallel degree (stages cut between blocks)")
+    pp: int = opt(1, "pipeline-parallel degree (stages cut between blocks; train.micro_batch_size sets the "
+                     "micro-batches)")
+    pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe | 1f1b")
     cp: int = opt(1, "context-parallel degree (the sequence split, zigzag for causal load balance)")
     cp_impl: str = opt("ring", "context-parallel attention: ring (online softmax) | rsa (ring self-attention)")
     zero: int = opt(0, "ZeRO stage over the replicas: 0 | 1 (optimizer states sharded, owners broadcast weights)")
@@ -265,6 +267,7 @@ CHOICES = {
     "train.dtype": ("auto", "fp32", "bf16"),
     "parallel.cp_impl": ("ring", "rsa"),
     "parallel.zero": (0, 1),
+    "parallel.pp_schedule": ("gpipe", "1f1b"),
     "parallel.grad_sync": ("fp32", "bf16", "fp8"),
     "parallel.grad_sync_format": ("e4m3", "e5m2"),
     "parallel.grad_scaling": ("pre", "post", "auto"),

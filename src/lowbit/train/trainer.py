@@ -26,6 +26,7 @@ from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
 from lowbit.distributed.tensor_parallel import (apply_sequence_parallel, apply_tensor_parallel, full_state,
                                                 shard_state, sync_partial_grads)
+from lowbit.distributed import pipeline
 from lowbit.distributed.zero import Zero1
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
@@ -147,8 +148,9 @@ class _Silent:
 
 
 @torch.no_grad()
-def evaluate(model, batches, device, autocast, positions=None, group=None) -> float:
-    """Mean validation loss; with context parallelism each rank scores its shard and the ranks average."""
+def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=None) -> float:
+    """Mean validation loss; with context parallelism each rank scores its shard and the ranks average; with
+    pipeline parallelism (`pipe`: schedule, stage module, micro-batches) the stages run it together."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), device=device)
@@ -156,7 +158,10 @@ def evaluate(model, batches, device, autocast, positions=None, group=None) -> fl
         if positions is not None:
             x, y = x[:, positions.cpu()], y[:, positions.cpu()]
         with autocast():
-            total += model(x.to(device), y.to(device), positions=positions).float()
+            if pipe is not None:
+                total += pipeline.run(pipe[0], pipe[1], x.to(device), y.to(device), train=False) / pipe[2]
+            else:
+                total += model(x.to(device), y.to(device), positions=positions).float()
     model.train(was_training)
     return mean_over(total, group).item() / max(1, len(batches))
 
@@ -231,15 +236,20 @@ def train(cfg: Config) -> dict:
         apply_tensor_parallel(model, tp_group)
         if cfg.parallel.sequence_parallel:
             apply_sequence_parallel(model, tp_group)
+    pp_group = mesh.group("pp")
+    stage = pipeline.split_model(model, mesh.sizes["pp"], mesh.coords["pp"]) if pp_group is not None else None
     grad_sync = GradSync(replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
-    optimizer.shard_group = tp_group
+    optimizer.shard_group, optimizer.stage_group = tp_group, pp_group
     zero = Zero1(optimizer, replicas) if cfg.parallel.zero and replicas is not None else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
 
     def restore(path: Path, loaded) -> tuple[int, int]:
         model_state, state, info = loaded
+        if pp_group is not None:  # this stage's tensors, the optimizer state renumbered as the stage holds it
+            model_state, state["optimizer"] = pipeline.stage_state(model, optimizer, pp_group, model_state,
+                                                                   state["optimizer"])
         if tp_group is not None:  # checkpoints hold whole tensors: take this rank's slices
             model_state, state["optimizer"] = shard_state(model, optimizer, model_state, state["optimizer"], tp_group)
         try:
@@ -277,6 +287,8 @@ def train(cfg: Config) -> dict:
         opt_state = zero.state_dict() if zero is not None else optimizer.state_dict()
         model_state, opt_state = (model.state_dict(), opt_state) if tp_group is None else \
             full_state(model, optimizer, tp_group, opt_state)
+        if pp_group is not None:
+            model_state, opt_state = pipeline.full_state(model, optimizer, pp_group, model_state, opt_state)
         state = {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
                  "grad_sync": grad_sync.state_dict()}
         # The loader position is the step: the data order is a pure function of (seed, step).
@@ -294,11 +306,17 @@ def train(cfg: Config) -> dict:
 
     micro = t.micro_batch_size or loader.local_batch  # per replica
     n_micro = loader.local_batch // micro
+    pipe = eval_pipe = None
+    if stage is not None:  # validation batches are single micro-batches: a schedule of its own
+        pipe = (pipeline.build_schedule(stage, mesh.coords["pp"], mesh.sizes["pp"], device, pp_group, n_micro,
+                                        cfg.parallel.pp_schedule), stage, n_micro)
+        eval_pipe = (pipeline.build_schedule(stage, mesh.coords["pp"], mesh.sizes["pp"], device, pp_group, 1,
+                                             "gpipe"), stage, 1)
     tokens_per_step = t.batch_size * cfg.data.seq_len
     peak = gpu_peak_flops(device) if dtype == torch.bfloat16 else None
     flops_per_step = flops_per_token * tokens_per_step / mesh.world  # per process: MFU is per GPU
     last_step = t.stop_at or t.steps
-    layout = " | " + " x ".join(f"{d} {mesh.sizes[d]}" for d in ("dp", "cp", "tp") if mesh.sizes[d] > 1) \
+    layout = " | " + " x ".join(f"{d} {mesh.sizes[d]}" for d in ("dp", "cp", "tp", "pp") if mesh.sizes[d] > 1) \
         if mesh.world > 1 else ""
     say(f"lowbit: {n_params / 1e6:.2f}M parameters ({args.n_layers} layers, dim {args.dim}, vocab "
           f"{args.vocab_size}) | recipe {recipe.name} | {dtype} on {device} | {t.batch_size}x{cfg.data.seq_len} "
@@ -348,7 +366,10 @@ def train(cfg: Config) -> dict:
                 zero.bytes_sent = 0
             if positions is not None:  # this rank's zigzag shard of every sequence
                 x, y = x[:, positions.cpu()], y[:, positions.cpu()]
-            for xm, ym in zip(x.split(micro), y.split(micro)):
+            if pipe is not None:  # the schedule runs every micro-batch through every stage, backward included
+                with autocast():
+                    loss_sum = pipeline.run(pipe[0], stage, x.to(device), y.to(device))
+            for xm, ym in zip(*((x.split(micro), y.split(micro)) if pipe is None else ((), ()))):
                 with autocast():
                     loss = forward(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
                                    positions=positions)
@@ -422,7 +443,7 @@ def train(cfg: Config) -> dict:
             end = step == last_step or stop.requested
             pause_t0 = time.perf_counter()  # validation and checkpoints are kept out of tokens/s and the ETA
             if val_data and ((t.eval_every and step % t.eval_every == 0) or end):
-                val_loss = evaluate(step_fn, val_data, device, autocast, positions, replicas)
+                val_loss = evaluate(step_fn, val_data, device, autocast, positions, replicas, eval_pipe)
                 metrics.log({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))})
                 say(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
                       flush=True)
