@@ -28,7 +28,9 @@ LAYOUTS = {"dp4": ["--parallel.dp", "4"],
            "dp2 x tp2": ["--parallel.dp", "2", "--parallel.tp", "2"],
            "dp2 x tp2 + sp": ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel"],
            "dp2 x tp2 + sp, fp8-tensorwise": ["--parallel.dp", "2", "--parallel.tp", "2",
-                                              "--parallel.sequence_parallel", "--recipe", "fp8-tensorwise"]}
+                                              "--parallel.sequence_parallel", "--recipe", "fp8-tensorwise"],
+           "dp2 x pp2": ["--parallel.dp", "2", "--parallel.pp", "2", "--model.tie_embeddings", "false",
+                         "--train.micro_batch_size", "2"]}
 SYNCS = {"dp4": ("fp32", "bf16", "fp8"), "dp2 x cp2": ("fp32", "bf16", "fp8"), "dp2 x tp2": ("fp32", "bf16", "fp8")}
 COMMON = ["--model.n_heads", "4", "--model.n_kv_heads", "2", "--train.steps", "3", "--train.eval_every", "0", "--train.batch_size", "16", "--data.seq_len", "128",
           "--run.plot", "false", "--train.log_every", "1"]
