@@ -168,17 +168,18 @@ def _reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     return _chunk(x, group)
 
 
-class _SplitSeq(torch.autograd.Function):
-    """Whole sequence (computed alike on every rank) -> this rank's chunk; backward gathers the chunks' grads."""
+class _ToChunk(torch.autograd.Function):
+    """Whole sequence -> this rank's chunk: the tensor itself (`reduce` False: computed alike on every rank) or the
+    sum over ranks (True: a row-parallel linear's partial sums). Backward gathers the chunks' gradients."""
 
     @staticmethod
-    def forward(ctx, x, group):
+    def forward(ctx, x, group, reduce: bool):
         ctx.group = group
-        return _chunk(x, group)
+        return _reduce_scatter_seq(x, group) if reduce else _chunk(x, group)
 
     @staticmethod
     def backward(ctx, g):
-        return _all_gather_seq(g, ctx.group), None
+        return _all_gather_seq(g, ctx.group), None, None
 
 
 class _GatherSeq(torch.autograd.Function):
@@ -204,19 +205,6 @@ class _GatherSeq(torch.autograd.Function):
         return (_reduce_scatter_seq(g, ctx.group) if ctx.partial else _chunk(g, ctx.group)), None, None, None
 
 
-class _ScatterSeq(torch.autograd.Function):
-    """Partial sums of a row-parallel linear -> their sum, this rank's chunk of the sequence."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _reduce_scatter_seq(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _all_gather_seq(g, ctx.group), None
-
-
 def apply_sequence_parallel(model: nn.Module, group) -> None:
     """On top of apply_tensor_parallel: the residual stream, norms and their inputs hold 1/tp of the sequence.
     The split linears' copy/reduce become gather/scatter along the sequence; block norm weights then get partial
@@ -229,10 +217,10 @@ def apply_sequence_parallel(model: nn.Module, group) -> None:
                                                               r.input.strategy) == ("e4m3", "tensor", "current")
         if name.endswith(ROW):
             m._forward_hooks.clear()  # the all-reduce becomes a reduce-scatter
-            m.register_forward_hook(lambda mod, args, out: _ScatterSeq.apply(out, group))
+            m.register_forward_hook(lambda mod, args, out: _ToChunk.apply(out, group, True))
         elif name.endswith(COLUMN):
             m._forward_pre_hooks.clear()  # the input arrives whole from the norm's gather
-    model.tok_embeddings.register_forward_hook(lambda mod, args, out: _SplitSeq.apply(out, group))
+    model.tok_embeddings.register_forward_hook(lambda mod, args, out: _ToChunk.apply(out, group, False))
     for name, block in model.named_modules():
         if hasattr(block, "attention_norm") and hasattr(block, "ffn_norm"):
             for norm in (block.attention_norm, block.ffn_norm):
