@@ -203,13 +203,19 @@ def _fmt(x, nd=1):
     return "" if x is None else f"{x:,.{nd}f}"
 
 
-def report(paths: list[str]) -> str:
+def read_runs(paths: list[str]) -> dict:
+    """name -> run record, from JSON-lines files (a later record of the same name wins)."""
     runs = {}
     for p in paths:
         for line in Path(p).read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
                 runs[r["name"]] = r
+    return runs
+
+
+def report(paths: list[str]) -> str:
+    runs = read_runs(paths)
     out = []
     out.append("| run | rc | steps | step ms (median) | tokens/s | MFU | comm bytes/step/rank (grad / tp / cp) | "
                "grad sync ms (min over ranks) | peak GiB (max rank) | final loss |")
@@ -246,12 +252,7 @@ PAIRS = [("dp2_1b_bf16sync", "ref1_1b_bf16"), ("dp2_1b_fp8sync", "ref1_1b_bf16")
 
 def compare(paths: list[str]) -> dict:
     """Loss differences against the one-GPU runs, and the pipeline bubble from each stage's compute alone."""
-    runs = {}
-    for p in paths:
-        for line in Path(p).read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                runs[r["name"]] = r
+    runs = read_runs(paths)
     out = {"loss_vs_one_gpu": {}, "bubble": {}}
     for a, b in PAIRS:
         if a in runs and b in runs:
