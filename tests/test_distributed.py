@@ -33,9 +33,9 @@ def run_layout(tmp_path, name, world, extra, cache):
 
 
 def _weights_after_training(run_dir):
-    from lowbit.train.checkpoint import find_resumable, load
+    from lowbit.train.checkpoint import find_resumable, read_whole
 
-    return load(find_resumable(run_dir))[0]
+    return read_whole(find_resumable(run_dir))
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +171,7 @@ def test_layout_errors_on_every_rank_without_hanging(single, extra, msg, capfd):
 
 
 def test_checkpoint_of_one_layout_resumes_under_another(single, tmp_path):
-    """Weights and optimizer states are whole on every replica, so a dp/cp checkpoint is a single-process one:
-    dp2 stops at step 2, cp2 continues to 3, and the losses are the single-process run's."""
+    """dp2 stops at step 2, cp2 continues to 3, and the losses are the single-process run's."""
     base_dir, cache = single
     run = tmp_path / "moved"
     spawn(2, _train, str(run), ["--parallel.dp", "2", "--train.stop_at", "2"], cache)
@@ -248,11 +247,32 @@ def test_fp8_tensor_parallel_casts_shards_with_the_whole_tensor_scale():
     assert max(r[1] for r in own) > 10 * max(r[1] for r in shared), (own, shared)
 
 
-def test_tensor_parallel_checkpoint_resumes_in_one_process(single_tp, tmp_path):
+def test_tensor_parallel_checkpoint_reshards_to_dp4_then_one_process(single_tp, tmp_path):
+    """dp2·tp2 writes each tp shard once (two chunks of a split tensor, from two processes); dp4 reads whole
+    tensors back from them for step 2, one process for step 3; the losses are the single-process run's."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lowbit.train.checkpoint import list_checkpoints
+
     base_dir, cache = single_tp
-    run = tmp_path / "tp-then-one"
-    spawn(4, _train, str(run), [*HEADS, "--parallel.dp", "2", "--parallel.tp", "2", "--train.stop_at", "2"], cache)
+    run = tmp_path / "tp-then-dp-then-one"
+    spawn(4, _train, str(run), [*HEADS, "--parallel.dp", "2", "--parallel.tp", "2", "--train.stop_at", "1"], cache)
+    stored = FileSystemReader(str(list_checkpoints(run)[-1])).read_metadata().state_dict_metadata
+    for name in ("model.layers.0.attention.wq.weight", "optimizer.layers.0.feed_forward.w2.weight.exp_avg"):
+        assert len({tuple(c.offsets) for c in stored[name].chunks}) == 2, name
+    assert len(stored["model.tok_embeddings.weight"].chunks) == 1  # replicated: written once
+    spawn(4, _train, str(run), [*HEADS, "--parallel.dp", "4", "--train.stop_at", "2", "--run.resume"], cache)
     assert cli_main(["train", *SMALL, *STEPS, *HEADS, "--run.dir", str(run), "--run.resume"]) == 0
+    base, got = losses(base_dir), losses(run)
+    assert base.keys() == got.keys()
+    assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
+
+
+def test_one_process_checkpoint_resumes_under_tensor_parallelism(single_tp, tmp_path):
+    base_dir, cache = single_tp
+    run = tmp_path / "one-then-tp"
+    assert cli_main(["train", *SMALL, *STEPS, *HEADS, "--run.dir", str(run), "--train.stop_at", "2"]) == 0
+    spawn(2, _train, str(run), [*HEADS, "--parallel.tp", "2", "--run.resume"], cache)
     base, got = losses(base_dir), losses(run)
     assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
 

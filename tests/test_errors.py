@@ -200,9 +200,10 @@ def test_a_nan_gradient_is_skipped_counted_and_training_goes_on(capsys, tmp_path
     assert records[3]["skipped"] and records[6]["skipped_steps"] == 1 and not records[6]["skipped"]
     from lowbit.train import checkpoint as ckpt
 
-    _, state, _ = ckpt.load(ckpt.list_checkpoints(run)[-1])
-    for st in state["optimizer"]["state"].values():
-        assert all(torch.isfinite(v.float()).all() for v in st.values())
+    states = ckpt.read_whole(ckpt.list_checkpoints(run)[-1], "optimizer.")
+    assert len(states) > 20 and all(torch.isfinite(v.float()).all() for v in states.values())
+
+
 def test_generate_and_export_bad_input(capsys, tmp_path):
     assert_user_error(capsys, ["generate", tmp_path / "nope"], "nope")
     assert_user_error(capsys, ["export-hf", tmp_path / "nope", tmp_path / "out"], "nope")

@@ -76,11 +76,11 @@ def test_crash_while_writing_checkpoint_keeps_previous(tmp_path, capsys, monkeyp
 
     real = ckpt._write_files
 
-    def crash_at_step_8(tmp, model_state, state, info):
+    def crash_at_step_8(tmp, state, info):
         if info["step"] == 8:
-            (tmp / "model.safetensors").write_bytes(b"half a file")
+            (tmp / "state.pt").write_bytes(b"half a file")
             raise KeyboardInterrupt  # the process dies mid-write
-        real(tmp, model_state, state, info)
+        real(tmp, state, info)
 
     monkeypatch.setattr(ckpt, "_write_files", crash_at_step_8)
     with pytest.raises(KeyboardInterrupt):
@@ -100,9 +100,9 @@ def test_resume_skips_corrupt_newest_checkpoint(tmp_path, capsys):
     run = tmp_path / "run"
     assert cli(capsys, "train", *SMALL, "--train.steps", "8", "--checkpoint.every", "4", "--run.dir", run)[0] == 0
     newest = ckpt.list_checkpoints(run)[-1]
-    data = bytearray((newest / "model.safetensors").read_bytes())
+    data = bytearray((newest / "__0_0.distcp").read_bytes())
     data[-3] ^= 0xFF
-    (newest / "model.safetensors").write_bytes(bytes(data))
+    (newest / "__0_0.distcp").write_bytes(bytes(data))
     code, out, err = cli(capsys, "train", *SMALL, "--train.steps", "8", "--run.dir", run, "--run.resume")
     assert code == 0 and "skipping" in err and "step 4" in out
 

@@ -3,8 +3,7 @@ embedding on the first, the final norm and the head on the last); GPipe or 1F1B 
 replica's batch (`train.micro_batch_size` sets how many).
 
 Each stage keeps its own blocks under their global names (the others become nn.Identity), so state-dict keys are
-the whole model's. Checkpoints are whole: `full_state` gathers every stage's tensors and renumbers the optimizer
-state as one process would hold it; `stage_state` takes a stage's part back.
+the whole model's: a stage writes its part of a checkpoint and reads its part of any other.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.distributed.zero import _pack, _unpack
 from lowbit.errors import LowbitError
 
 
@@ -79,52 +77,3 @@ def run(schedule, module: StageModule, x, y, train: bool = True) -> torch.Tensor
         torch.zeros((), device=x.device)
     dist.all_reduce(total, group=schedule._stage.group)
     return total
-
-
-# ---- whole checkpoints ----
-
-def _names(model, optimizer) -> list[list[str]]:
-    name_of = {id(p): n for n, p in model.named_parameters()}
-    return [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
-
-
-def full_state(model, optimizer, group, model_state: dict, opt_state: dict) -> tuple[dict, dict]:
-    """Every stage's tensors, the optimizer renumbered as one process holds it (groups in order, each group's
-    parameters stage after stage, which is the model's order)."""
-    names = _names(model, optimizer)
-    mine = {"model": {k: _pack(v) for k, v in model_state.items()}, "names": names,
-            "state": {names_flat: {k: _pack(v) for k, v in opt_state["state"][i].items()}
-                      for i, names_flat in enumerate(n for g in names for n in g) if i in opt_state["state"]},
-            "groups": opt_state["param_groups"]}
-    shares = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shares, mine, group=group)
-    device = next(iter(model_state.values())).device
-    whole_model = {k: _unpack(v, device) for s in shares for k, v in s["model"].items()}
-    order = [[n for s in shares for n in s["names"][g]] for g in range(len(names))]
-    states = {n: st for s in shares for n, st in s["state"].items()}
-    index, state, groups = 0, {}, []
-    for g, group_names in enumerate(order):
-        groups.append(dict(shares[0]["groups"][g], params=list(range(index, index + len(group_names)))))
-        for n in group_names:
-            if n in states:
-                state[index] = {k: _unpack(v, device) for k, v in states[n].items()}
-            index += 1
-    return whole_model, {"state": state, "param_groups": groups}
-
-
-def stage_state(model, optimizer, group, model_state: dict, opt_state: dict) -> tuple[dict, dict]:
-    """This stage's part of a whole checkpoint."""
-    names = _names(model, optimizer)
-    shares = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shares, names, group=group)
-    order = [n for g in range(len(names)) for s in shares for n in s[g]]
-    global_index = {n: i for i, n in enumerate(order)}
-    own_keys = set(model.state_dict())
-    local_state, groups, index = {}, [], 0
-    for g, group_names in enumerate(names):
-        groups.append(dict(opt_state["param_groups"][g], params=list(range(index, index + len(group_names)))))
-        for n in group_names:
-            if global_index[n] in opt_state["state"]:
-                local_state[index] = opt_state["state"][global_index[n]]
-            index += 1
-    return {k: v for k, v in model_state.items() if k in own_keys}, {"state": local_state, "param_groups": groups}

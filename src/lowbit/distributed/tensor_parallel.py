@@ -66,7 +66,7 @@ def _shard(linear: nn.Linear, dim: int, tp: int, rank: int) -> None:
     if w.shape[dim] % tp:
         raise LowbitError(f"parallel.tp: a linear of shape {tuple(w.shape)} cannot be split {tp} ways")
     linear.weight = nn.Parameter(w.detach().chunk(tp, dim)[rank].clone(), requires_grad=w.requires_grad)
-    linear.weight._lowbit_tp_dim = dim  # checkpoints gather along it; clipping sums its norm over tp
+    linear.weight._lowbit_tp_dim = dim  # checkpoints name it a shard along it; clipping sums its norm over tp
     linear.in_features, linear.out_features = linear.weight.shape[1], linear.weight.shape[0]
 
 
@@ -109,43 +109,6 @@ def apply_tensor_parallel(model: nn.Module, group) -> None:
 def sharded_names(model: nn.Module) -> dict[str, int]:
     """name -> split dim of every tensor-parallel parameter."""
     return {n: p._lowbit_tp_dim for n, p in model.named_parameters() if hasattr(p, "_lowbit_tp_dim")}
-
-
-def gather(t: torch.Tensor, dim: int, group) -> torch.Tensor:
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, t.contiguous(), group=group)
-    return torch.cat(parts, dim)
-
-
-def full_state(model: nn.Module, optimizer, group, opt_state: dict | None = None) -> tuple[dict, dict]:
-    """The model and optimizer state dicts with every shard gathered: what one process would hold. `opt_state`:
-    the optimizer's state dict if it is not optimizer.state_dict() (ZeRO gathers it first)."""
-    dims = sharded_names(model)
-    model_state = {k: gather(v, dims[k], group) if k in dims else v for k, v in model.state_dict().items()}
-    opt_state = dict(opt_state or optimizer.state_dict())
-    by_index = _index_dims(model, optimizer)
-    # state_dict() shares the live per-parameter dicts: build new ones
-    opt_state["state"] = {i: {k: gather(v, by_index[i], group) if i in by_index and isinstance(v, torch.Tensor)
-                              and v.dim() > 0 else v for k, v in st.items()} for i, st in opt_state["state"].items()}
-    return model_state, opt_state
-
-
-def shard_state(model: nn.Module, optimizer, model_state: dict, opt_state: dict, group) -> tuple[dict, dict]:
-    """The inverse of full_state: this rank's slices of whole tensors."""
-    tp, rank = dist.get_world_size(group), dist.get_rank(group)
-    dims = sharded_names(model)
-    model_state = {k: v.chunk(tp, dims[k])[rank].clone() if k in dims else v for k, v in model_state.items()}
-    by_index = _index_dims(model, optimizer)
-    opt_state = dict(opt_state, state={
-        i: {k: v.chunk(tp, by_index[i])[rank].clone() if i in by_index and isinstance(v, torch.Tensor)
-            and v.dim() > 0 else v for k, v in st.items()} for i, st in opt_state["state"].items()})
-    return model_state, opt_state
-
-
-def _index_dims(model, optimizer) -> dict[int, int]:
-    """Optimizer state index (torch's numbering: parameters in group order) -> split dim."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    return {i: p._lowbit_tp_dim for i, p in enumerate(params) if hasattr(p, "_lowbit_tp_dim")}
 
 
 # ---- sequence parallelism (Megatron-LM SP): outside the split linears, activations are split along the sequence

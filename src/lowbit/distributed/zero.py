@@ -45,27 +45,3 @@ class Zero1:
                 for p in ps:
                     p.data.copy_(flat[offset:offset + p.numel()].view(p.shape))
                     offset += p.numel()
-
-    def state_dict(self) -> dict:
-        """The whole optimizer state (every replica's share), on every rank."""
-        own = self.optimizer.state_dict()
-        own["state"] = {i: {k: _pack(v) for k, v in st.items()} for i, st in own["state"].items()}
-        shares = [None] * self.n
-        dist.all_gather_object(shares, own["state"], group=self.group)
-        device = self.params[0].device
-        own["state"] = {i: {k: _unpack(v, device) for k, v in st.items()} for share in shares
-                        for i, st in share.items() if st}  # {}: a non-owner's empty entry
-        return own
-
-
-# all_gather_object pickles; FP8 tensors do not survive that round trip (torch 2.13), their bytes do
-def _pack(v):
-    if isinstance(v, torch.Tensor) and v.element_size() == 1 and v.is_floating_point():
-        return ("tensor", str(v.dtype).removeprefix("torch."), v.detach().cpu().contiguous().view(torch.uint8))
-    return v.detach().cpu() if isinstance(v, torch.Tensor) else v
-
-
-def _unpack(v, device):
-    if isinstance(v, tuple) and len(v) == 3 and v[0] == "tensor":
-        return v[2].view(getattr(torch, v[1])).to(device)
-    return v.to(device) if isinstance(v, torch.Tensor) else v

@@ -273,21 +273,34 @@ class LowbitAdamW(torch.optim.Optimizer):
             return store.data if store.filled else None
         return p.grad
 
-    # ---- checkpoints: states are restored exactly as stored (torch's default would cast them to the weights'
-    # dtype, turning an FP8 moment into bf16) ----
-    def load_state_dict(self, state_dict: dict) -> None:
-        groups, saved = self.param_groups, state_dict.get("param_groups")
-        if not isinstance(saved, list) or len(saved) != len(groups) or "state" not in state_dict:
+    def hyper(self) -> list[dict]:
+        """The groups' settings (learning rate, betas, storage precision...) without their parameters."""
+        return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
+
+    def load_hyper(self, saved, check_sizes: bool = False) -> None:
+        """Take saved group settings, after checking they describe the same groups stored the same way."""
+        groups = self.param_groups
+        if not isinstance(saved, list) or len(saved) != len(groups):
             raise LowbitError(f"optimizer state: {len(saved) if isinstance(saved, list) else 'no'} parameter groups "
                               f"saved, this model has {len(groups)} (another model or recipe)")
-        params = [p for g in groups for p in g["params"]]
         for i, (g, s) in enumerate(zip(groups, saved)):
-            if len(g["params"]) != len(s.get("params", ())):
+            if check_sizes and len(g["params"]) != len(s.get("params", ())):
                 raise LowbitError(f"optimizer state: group {i} holds {len(s.get('params', ()))} tensors, this model "
                                   f"has {len(g['params'])} (another model or recipe)")
             if s.get("precision") != g["precision"]:
                 raise LowbitError(f"optimizer state: group {i} was stored as {s.get('precision')}, this run asks "
                                   f"for {g['precision']} (another recipe or [optim] setting)")
+        for g, s in zip(groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+
+    # ---- checkpoints: states are restored exactly as stored (torch's default would cast them to the weights'
+    # dtype, turning an FP8 moment into bf16) ----
+    def load_state_dict(self, state_dict: dict) -> None:
+        groups, saved = self.param_groups, state_dict.get("param_groups")
+        if "state" not in state_dict:
+            raise LowbitError("optimizer state: no per-parameter states saved")
+        self.load_hyper(saved, check_sizes=True)
+        params = [p for g in groups for p in g["params"]]
         ids = [i for s in saved for i in s["params"]]
         for i, p in zip(ids, params):
             st = state_dict["state"].get(i)
@@ -297,9 +310,6 @@ class LowbitAdamW(torch.optim.Optimizer):
                 if name in st and tuple(st[name].shape) != tuple(p.shape):
                     raise LowbitError(f"optimizer state: a {name} of shape {tuple(st[name].shape)} for a parameter "
                                       f"of shape {tuple(p.shape)} (another model)")
-        hyper = [{k: v for k, v in s.items() if k != "params"} for s in saved]
-        for g, h in zip(groups, hyper):
-            g.update(h)
         for i, p in zip(ids, params):
             if i in state_dict["state"] and (self.owned is None or p in self.owned):
                 self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v

@@ -1,12 +1,19 @@
 """Checkpoints: RUN_DIR/checkpoints/step_NNNNNNNN/ holding
 
-    model.safetensors   weights (and any scaling buffers the model carries)
-    state.pt            optimizer, scheduler, RNG states: tensors and plain containers, read with weights_only=True
-    trainer.json        step, tokens seen, model shape, config, tokenizer hash
-    manifest.json       size and sha256 of each file above; written last, so its presence marks a complete write
+    .metadata, __R_0.distcp   model and optimizer tensors through torch.distributed.checkpoint: every process
+                              writes its pieces ("model.<state key>", "optimizer.<parameter>.<state>"), each piece
+                              once, with its place in the whole tensor; any layout (one process included) reads
+                              back the pieces it holds
+    state.pt                  optimizer hyper-parameters, scheduler, gradient-exchange and RNG states: tensors and
+                              plain containers, read with weights_only=True
+    trainer.json              step, tokens seen, model shape, config, tokenizer hash
+    manifest.json             size and sha256 of every file above; written last, so its presence marks a complete
+                              write
 
 A checkpoint is written under a temporary name and renamed into place, so a crash mid-write leaves the previous
-checkpoints untouched; the manifest catches later corruption (truncated or altered files).
+checkpoints untouched; the manifest catches later corruption (truncated or altered files). In a distributed run
+rank 0 makes and finishes the directory (`begin`, `commit`) and every process writes its tensors in between
+(`write_tensors`).
 """
 
 from __future__ import annotations
@@ -19,13 +26,13 @@ import sys
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+import torch.distributed.checkpoint as dcp
 
 from lowbit.errors import LowbitError
 
 PREFIX = "step_"
-FILES = ("model.safetensors", "state.pt", "trainer.json")
+REQUIRED = (".metadata", "state.pt", "trainer.json")
+MODEL = "model."
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -48,40 +55,74 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def _write_files(tmp: Path, model_state: dict, state: dict, info: dict) -> None:
-    # safetensors wants contiguous tensors that share no storage.
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / "model.safetensors"))
+def _one_line(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".strip().splitlines()[-1][:300]
+
+
+def begin(run_dir: str | Path, step: int, lead: bool = True) -> Path:
+    """The temporary directory of checkpoint `step` (made by the lead process, after clearing debris)."""
+    root = checkpoint_root(run_dir)
+    tmp = root / f".tmp-{PREFIX}{step:08d}"
+    if lead:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for debris in root.glob(".tmp-*"):  # left by a process killed mid-write; one writer per run dir
+                shutil.rmtree(debris, ignore_errors=True)
+            tmp.mkdir()
+        except OSError as e:
+            raise LowbitError(f"checkpoint: cannot write to {root} ({_one_line(e)})") from None
+    return tmp
+
+
+def write_tensors(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """Every process: its pieces of the model and optimizer (a collective in a distributed run)."""
+    try:
+        dcp.save(tensors, checkpoint_id=str(tmp))
+    except Exception as e:  # DCP reports any rank's failure on every rank
+        raise LowbitError(f"checkpoint: writing tensors to {tmp} failed ({_one_line(e)})") from None
+
+
+def _write_files(tmp: Path, state: dict, info: dict) -> None:
     torch.save(state, tmp / "state.pt")
     (tmp / "trainer.json").write_text(json.dumps(info, indent=1))
 
 
-def save(run_dir: str | Path, step: int, model_state: dict, state: dict, info: dict, keep: int) -> Path:
-    """Write checkpoint `step` atomically, then delete all but the newest `keep`."""
+def commit(run_dir: str | Path, step: int, tmp: Path, state: dict, info: dict, keep: int) -> Path:
+    """The lead process: the small files and the manifest, then rename into place and keep the newest `keep`."""
     root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:08d}"
-    for debris in root.glob(".tmp-*"):  # left by a process killed mid-write; one writer per run dir
-        shutil.rmtree(debris, ignore_errors=True)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    tmp.mkdir()
     try:
-        _write_files(tmp, model_state, state, info)
+        _write_files(tmp, state, info)
         manifest = {}
-        for name in FILES:
-            _fsync(tmp / name)
-            manifest[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        for f in sorted(tmp.iterdir()):
+            _fsync(f)  # other processes' files included: same file system
+            manifest[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
         _fsync(tmp / "manifest.json")
         if final.exists():  # a re-run of the same step after resume: replace the older copy
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise LowbitError(f"checkpoint: cannot write {final} ({_one_line(e)})") from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     for old in list_checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def save(run_dir: str | Path, step: int, tensors: dict, state: dict, info: dict, keep: int) -> Path:
+    """Write checkpoint `step` from a single process."""
+    tmp = begin(run_dir, step)
+    try:
+        write_tensors(tmp, tensors)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return commit(run_dir, step, tmp, state, info, keep)
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -95,14 +136,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
 
 def verify(path: Path) -> None:
     """Raise LowbitError unless every file matches the manifest."""
-    manifest_path = path / "manifest.json"
     try:
-        manifest = json.loads(manifest_path.read_text())
+        manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
         raise LowbitError(f"checkpoint {path}: missing or unreadable manifest.json") from None
-    for name in FILES:
-        f = path / name
-        entry = manifest.get(name)
+    for name in sorted(set(manifest) | set(REQUIRED)):
+        f, entry = path / name, manifest.get(name)
         if entry is None or not f.is_file():
             raise LowbitError(f"checkpoint {path}: {name} is missing")
         if f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
@@ -127,24 +166,67 @@ def find_resumable(run_dir: str | Path) -> Path:
     raise LowbitError(f"run.resume: every checkpoint in {checkpoint_root(run_dir)} is corrupt ({skipped[0]})")
 
 
-def load(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
-    """(model_state, state, info) of a checkpoint that find_resumable already verified."""
+def load_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict]:
+    """(state, info) of a checkpoint that find_resumable already verified."""
     try:
-        model_state = load_file(str(path / "model.safetensors"), device=str(map_location))
         state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
         info = json.loads((path / "trainer.json").read_text())
-    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
-        raise LowbitError(f"checkpoint {path}: cannot be read ({type(e).__name__}: {e})".splitlines()[0]) from None
-    return model_state, state, info
+    except (OSError, ValueError, RuntimeError) as e:
+        raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
+    return state, info
+
+
+def _stored(path: Path) -> dict:
+    try:
+        return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    except Exception as e:
+        raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
+
+
+def load_tensors(path: Path, tensors: dict[str, torch.Tensor], model_keys: set[str] | None = None) -> None:
+    """Fill `tensors` (this process's pieces, as write_tensors takes them) in place from checkpoint `path`.
+    `model_keys`: the whole model's state keys; a checkpoint with others does not fit this model."""
+    stored = _stored(path)
+    problem = None
+    for k, t in tensors.items():
+        meta = stored.get(k)
+        if meta is None or not hasattr(meta, "size"):
+            problem = f"it has no {k}"
+        elif tuple(meta.size) != tuple(t.shape) or meta.properties.dtype != t.dtype:
+            problem = (f"{k} is {meta.properties.dtype} {tuple(meta.size)} there, "
+                       f"{t.dtype} {tuple(t.shape)} here")
+        if problem:
+            break
+    if problem is None and model_keys is not None:
+        extra = sorted(k[len(MODEL):] for k in stored if k.startswith(MODEL) and k[len(MODEL):] not in model_keys)
+        problem = f"it has {extra[0]}, which this model has not" if extra else None
+    if problem is not None:
+        raise LowbitError(f"run.resume: checkpoint {path} does not fit this model: {problem}")
+    try:
+        dcp.load(tensors, checkpoint_id=str(path))
+    except Exception as e:
+        raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
+
+
+def read_whole(path: Path, prefix: str = MODEL) -> dict[str, torch.Tensor]:
+    """Whole tensors whose names start with `prefix` (dropped from the keys), read in this process alone."""
+    tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in _stored(path).items()
+               if k.startswith(prefix) and hasattr(m, "size")}
+    try:
+        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    except Exception as e:
+        raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
+    return {k[len(prefix):]: v for k, v in tensors.items()}
 
 
 def load_model_weights(path: Path) -> tuple[dict, dict]:
-    """(model_state, info) for inference/export of a checkpoint latest_for_inference verified: the optimizer
-    state is neither needed nor read."""
+    """(whole model state, info) of a checkpoint latest_for_inference verified: the optimizer state is neither
+    needed nor read."""
     try:
-        return load_file(str(path / "model.safetensors")), json.loads((path / "trainer.json").read_text())
-    except (SafetensorError, OSError, ValueError) as e:
-        raise LowbitError(f"checkpoint {path}: cannot be read ({type(e).__name__})") from None
+        info = json.loads((path / "trainer.json").read_text())
+    except (OSError, ValueError) as e:
+        raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
+    return read_whole(path), info
 
 
 def latest_for_inference(run_dir: str | Path) -> Path:

@@ -24,8 +24,8 @@ from lowbit.distributed import context_parallel, tensor_parallel
 from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
-from lowbit.distributed.tensor_parallel import (apply_sequence_parallel, apply_tensor_parallel, full_state,
-                                                shard_state, sync_partial_grads)
+from lowbit.distributed.sharded_state import checkpoint_tensors
+from lowbit.distributed.tensor_parallel import apply_sequence_parallel, apply_tensor_parallel, sync_partial_grads
 from lowbit.distributed import pipeline
 from lowbit.distributed.zero import Zero1
 from lowbit.errors import LowbitError
@@ -202,8 +202,8 @@ def train(cfg: Config) -> dict:
     resume_from = ckpt.find_resumable(run_dir) if cfg.run.resume else None
     resumed = None
     if resume_from is not None:
-        resumed = ckpt.load(resume_from)
-        info = resumed[2]
+        resumed = ckpt.load_state(resume_from)
+        info = resumed[1]
         if info["tokenizer_hash"] != dataset.meta["tokenizer_hash"]:
             raise LowbitError(f"run.resume: checkpoint {resume_from} was trained with another tokenizer than "
                               f"the data in {data_path}")
@@ -227,6 +227,7 @@ def train(cfg: Config) -> dict:
     model = Llama(args).to(device)
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)  # before any split
     conversion = convert(model, recipe)
+    model_keys = set(model.state_dict())  # the whole model's, before any split: what a checkpoint must hold
     positions = None  # this rank's positions in the sequence, under context parallelism
     if mesh.sizes["cp"] > 1:
         apply_context_parallel(model, mesh.group("cp"), cfg.data.seq_len, cfg.parallel.cp_impl)
@@ -246,18 +247,10 @@ def train(cfg: Config) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
 
     def restore(path: Path, loaded) -> tuple[int, int]:
-        model_state, state, info = loaded
-        if pp_group is not None:  # this stage's tensors, the optimizer state renumbered as the stage holds it
-            model_state, state["optimizer"] = pipeline.stage_state(model, optimizer, pp_group, model_state,
-                                                                   state["optimizer"])
-        if tp_group is not None:  # checkpoints hold whole tensors: take this rank's slices
-            model_state, state["optimizer"] = shard_state(model, optimizer, model_state, state["optimizer"], tp_group)
-        try:
-            model.load_state_dict(model_state)
-        except RuntimeError as e:  # e.g. numerics filters that convert other layers than the checkpoint's
-            raise LowbitError(f"run.resume: checkpoint {path} does not fit this model: "
-                              f"{str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else e}") from None
-        optimizer.load_state_dict(state["optimizer"])
+        state, info = loaded
+        optimizer.load_hyper(state["optimizer"])  # same groups, stored alike: checked before any tensor is read
+        # this process's pieces of the whole tensors, read in place (a stage's blocks, a tp shard, a ZeRO share)
+        ckpt.load_tensors(path, checkpoint_tensors(model, optimizer, mesh), model_keys)
         scheduler.load_state_dict(state["scheduler"])
         if "grad_sync" in state:
             grad_sync.load_state_dict(state["grad_sync"])
@@ -283,26 +276,20 @@ def train(cfg: Config) -> dict:
         return torch.autocast(device.type, dtype=dtype)
 
     def save_checkpoint(step: int) -> Path:
-        # whole tensors, every replica's optimizer share: a checkpoint fits every layout
-        opt_state = zero.state_dict() if zero is not None else optimizer.state_dict()
-        model_state, opt_state = (model.state_dict(), opt_state) if tp_group is None else \
-            full_state(model, optimizer, tp_group, opt_state)
-        if pp_group is not None:
-            model_state, opt_state = pipeline.full_state(model, optimizer, pp_group, model_state, opt_state)
-        state = {"optimizer": opt_state, "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
+        state = {"optimizer": optimizer.hyper(), "scheduler": scheduler.state_dict(), "rng": _rng_state(device),
                  "grad_sync": grad_sync.state_dict()}
         # The loader position is the step: the data order is a pure function of (seed, step).
         info = {"step": step, "tokens_seen": tokens_seen, "data_position": {"batch": step, "seed": t.seed,
                                                                             "epoch": loader.epoch_of(step)},
                 "model_args": dataclasses.asdict(args),
                 "tokenizer_hash": dataset.meta["tokenizer_hash"], "recipe": recipe.name, "config": to_dict(cfg),
-                "dataset": str(data_path)}
-        # Replicas hold the same weights and optimizer: rank 0 writes; the others wait so a rollback or a resume
-        # that follows reads a complete checkpoint.
-        path = ckpt.save(run_dir, step, model_state, state, info, keep=cfg.checkpoint.keep) if lead else None
-        if mesh.world > 1:
-            torch.distributed.barrier()
-        return path
+                "dataset": str(data_path), "layout": dict(mesh.sizes)}
+        # Every process writes its pieces; rank 0 makes the directory, then finishes it (its small files are
+        # the same on every rank). Its errors reach every rank, and nobody reads a half-written checkpoint.
+        tmp = lead_first(mesh, lambda: ckpt.begin(run_dir, step, lead))
+        ckpt.write_tensors(tmp, checkpoint_tensors(model, optimizer, mesh))
+        return lead_first(mesh, lambda: ckpt.commit(run_dir, step, tmp, state, info, cfg.checkpoint.keep)
+                          if lead else ckpt.checkpoint_root(run_dir) / f"{ckpt.PREFIX}{step:08d}")
 
     micro = t.micro_batch_size or loader.local_batch  # per replica
     n_micro = loader.local_batch // micro
@@ -338,7 +325,7 @@ def train(cfg: Config) -> dict:
                               f"; {'no checkpoint to roll back to' if good is None else f'already rolled back to {good} once'}"
                               f" (lower train.lr or raise train.warmup_steps; checkpoint.every sets the rollback points)")
         rolled_back_to.add(good)
-        back = restore(good, ckpt.load(good))
+        back = restore(good, ckpt.load_state(good))
         say(f"lowbit: {t.rollback_after} consecutive bad steps up to step {bad_step}: rolled back to {good} "
               f"(step {back[0]})", flush=True)
         metrics.truncate_after(back[0])  # the steps after it are redone

@@ -1,0 +1,43 @@
+"""What a process contributes to a checkpoint: its pieces of the whole model and optimizer, under global names.
+
+torch.distributed.checkpoint writes each piece once (replicas are deduplicated) with its place in the whole tensor,
+and reads back whatever pieces another layout asks for. So no process ever holds the whole model:
+- tensor parallelism: a split tensor is a DTensor, this rank's shard of the whole (Shard(dim) over tp);
+- pipeline parallelism: a stage names only its own blocks' tensors;
+- ZeRO-1: a replica names only the optimizer states it owns;
+- everything else is replicated and named by every process alike.
+The same dict is the target of a load: the tensors are the live ones, so loading fills them in place.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lowbit.distributed.tensor_parallel import sharded_names
+
+MODEL, OPTIMIZER = "model.", "optimizer."
+
+
+def _piece(t: torch.Tensor, dim: int | None, tp_mesh):
+    if tp_mesh is None or dim is None or t.dim() == 0:
+        return t
+    from torch.distributed.tensor import DTensor, Shard
+
+    return DTensor.from_local(t, tp_mesh, [Shard(dim)], run_check=False)
+
+
+def checkpoint_tensors(model: nn.Module, optimizer, mesh) -> dict[str, torch.Tensor]:
+    """Flat {global name: this process's piece}: "model.<state key>" and "optimizer.<parameter>.<state>"."""
+    tp_mesh = mesh.device_mesh["tp"] if mesh.sizes["tp"] > 1 else None
+    dims = sharded_names(model)
+    out = {MODEL + k: _piece(v, dims.get(k), tp_mesh) for k, v in model.state_dict().items()}
+    name_of = {p: n for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            name = name_of[p]
+            for k, v in optimizer.state.get(p, {}).items():  # empty: another replica owns it (ZeRO-1)
+                if isinstance(v, torch.Tensor):
+                    out[f"{OPTIMIZER}{name}.{k}"] = _piece(v, dims.get(name) if v.shape == p.shape else None,
+                                                           tp_mesh)
+    return out
