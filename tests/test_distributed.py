@@ -59,6 +59,8 @@ def cli_main(args):
     ("cp2-ring", 2, ["--parallel.cp", "2"]),
     ("cp2-rsa", 2, ["--parallel.cp", "2", "--parallel.cp_impl", "rsa"]),
     ("dp2-cp2", 4, ["--parallel.dp", "2", "--parallel.cp", "2"]),
+    ("fsdp2", 2, ["--parallel.dp_shard", "2"]),
+    ("hsdp-dp2-fsdp2", 4, ["--parallel.dp", "2", "--parallel.dp_shard", "2", "--train.micro_batch_size", "1"]),
 ])
 def test_layout_matches_single_process(single, tmp_path, name, world, extra):
     base_dir, cache = single
@@ -163,6 +165,9 @@ def _bad_layout(rank, world, extra, cache):
     (["--parallel.tp", "2", "--recipe", "fp8lm-o2", "--model.n_heads", "4", "--model.n_kv_heads", "2"],
      "fp32 states only"),
     (["--parallel.dp", "2", "--parallel.pp", "1", "--parallel.cp", "1", "--train.batch_size", "3"], "divisible by"),
+    (["--parallel.dp_shard", "2", "--parallel.zero", "1"], "does not combine with parallel.zero"),
+    (["--parallel.dp_shard", "2", "--parallel.grad_sync", "fp8"], "not fp8"),
+    (["--parallel.dp_shard", "2", "--recipe", "fp8lm-o2"], "fp32 states only"),
 ])
 def test_layout_errors_on_every_rank_without_hanging(single, extra, msg, capfd):
     codes = spawn(2, _bad_layout, extra, single[1], timeout=120)
@@ -386,3 +391,36 @@ def test_pipeline_checkpoint_resumes_in_one_process(single_untied, tmp_path):
     assert cli_main(["train", *SMALL, *STEPS, *UNTIED, "--run.dir", str(run), "--run.resume"]) == 0
     base, got = losses(base_dir), losses(run)
     assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
+
+
+def test_fsdp_checkpoint_reshards_to_dp2_then_one_process(single, tmp_path):
+    """FSDP2 over 2 ranks writes each parameter and its Adam states as two dim-0 shards and holds half of every
+    tensor per process; plain dp2 resumes it for step 2 and one process for step 3, on the single-process losses."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from lowbit.train.checkpoint import list_checkpoints
+
+    base_dir, cache = single
+    run = tmp_path / "fsdp-then-dp-then-one"
+    spawn(2, _train, str(run), ["--parallel.dp_shard", "2", "--train.stop_at", "1"], cache)
+    stored = FileSystemReader(str(list_checkpoints(run)[-1])).read_metadata().state_dict_metadata
+    for name in ("model.tok_embeddings.weight", "optimizer.layers.0.feed_forward.w2.weight.exp_avg_sq"):
+        assert len({tuple(c.offsets) for c in stored[name].chunks}) == 2, name
+    per_param = json.loads((run / "memory.json").read_text())["model"]["bytes_per_param"]["total"]
+    assert 7.9 < per_param < 8.1  # 16 bytes (fp32 weight, grad, m, v) over 2 ranks
+    spawn(2, _train, str(run), ["--parallel.dp", "2", "--train.stop_at", "2", "--run.resume"], cache)
+    assert cli_main(["train", *SMALL, *STEPS, "--run.dir", str(run), "--run.resume"]) == 0
+    base, got = losses(base_dir), losses(run)
+    assert base.keys() == got.keys()
+    assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
+
+
+def test_fsdp_reduces_gradients_in_bf16(single, tmp_path):
+    """parallel.grad_sync bf16 under FSDP2 reduce-scatters bf16 gradients: the losses move off the fp32 run's
+    (by the rounding of one exchange per step), and stay close to them."""
+    base_dir, cache = single
+    fp32, bf16 = (losses(run_layout(tmp_path, f"fsdp2-{r}", 2, ["--parallel.dp_shard", "2", "--parallel.grad_sync",
+                                                                 r], cache)) for r in ("fp32", "bf16"))
+    base = losses(base_dir)
+    assert bf16[1] == fp32[1]  # the first loss comes before any exchange
+    assert bf16[3] != fp32[3] and abs(bf16[3] - base[3]) <= 1e-3 * abs(base[3]), (bf16, fp32, base)

@@ -1,4 +1,4 @@
-"""The device mesh: pp × dp × cp × tp processes, launched by torchrun (NCCL on GPUs, gloo on CPUs).
+"""The device mesh: pp × dp × dp_shard × cp × tp processes, launched by torchrun (NCCL on GPUs, gloo on CPUs).
 
 Every check that can fail is made before any collective (`check_layout`, from config validation), so a bad layout
 is a one-line error on every rank rather than a hang; collectives carry `parallel.timeout_s`.
@@ -7,6 +7,7 @@ is a one-line error on every rank rather than a hang; collectives carry `paralle
 from __future__ import annotations
 
 import datetime
+import math
 import os
 from dataclasses import dataclass
 
@@ -15,7 +16,8 @@ import torch.distributed as dist
 
 from lowbit.errors import LowbitError
 
-DIMS = ("pp", "dp", "cp", "tp")  # outermost first: tp neighbours get the closest ranks (same node, NVLink)
+DIMS = ("pp", "dp", "dp_shard", "cp", "tp")  # outermost first: tp neighbours get the closest ranks (NVLink)
+REPLICAS = ("dp", "dp_shard")  # each takes its own slice of the global batch
 
 
 def world_size() -> int:
@@ -25,10 +27,12 @@ def world_size() -> int:
 def check_layout(cfg, args) -> None:
     """Layout errors, on every rank alike (pure arithmetic on the config and the environment)."""
     p, t = cfg.parallel, cfg.train
-    product = p.pp * p.dp * p.cp * p.tp
+    product = p.pp * p.dp * p.dp_shard * p.cp * p.tp
     if product != world_size():
-        raise LowbitError(f"parallel: dp*tp*pp*cp = {p.dp}*{p.tp}*{p.pp}*{p.cp} = {product}, but {world_size()} "
-                          f"process(es) run (torchrun --nproc-per-node sets it)")
+        raise LowbitError(f"parallel: dp*dp_shard*tp*pp*cp = {p.dp}*{p.dp_shard}*{p.tp}*{p.pp}*{p.cp} = {product}, "
+                          f"but {world_size()} process(es) run (torchrun --nproc-per-node sets it)")
+    if p.dp_shard > 1:
+        _check_fsdp(cfg)
     if p.pp > 1 and p.cp > 1:
         raise LowbitError("parallel.pp: pipeline and context parallelism together are not implemented yet")
     if p.pp > 1 and args.tie_embeddings:
@@ -39,11 +43,7 @@ def check_layout(cfg, args) -> None:
                         ("model.ffn_dim", args.ffn_dim)):
             if n % p.tp:
                 raise LowbitError(f"parallel.tp ({p.tp}) must divide {what} ({n})")
-        from lowbit.train.config import optim_precision
-
-        prec = optim_precision(cfg)
-        if (prec.weights, prec.master, prec.grads, prec.exp_avg, prec.exp_avg_sq) != ("fp32", "none", "fp32",
-                                                                                     "fp32", "fp32"):
+        if _low_precision_states(cfg):
             raise LowbitError(f"parallel.tp: recipe {cfg.recipe} keeps optimizer states in low precision, which "
                               f"tensor parallelism does not shard yet (fp32 states only)")
     if p.sequence_parallel and (p.tp == 1 or cfg.data.seq_len % p.tp or p.cp > 1):
@@ -57,11 +57,37 @@ def check_layout(cfg, args) -> None:
                           f"{args.attention} is not supported with it")
     if p.pp > args.n_layers:
         raise LowbitError(f"parallel.pp ({p.pp}) is larger than the number of blocks ({args.n_layers})")
-    if t.batch_size % p.dp:
-        raise LowbitError(f"train.batch_size ({t.batch_size}) must be divisible by parallel.dp ({p.dp})")
-    if t.micro_batch_size and (t.batch_size // p.dp) % t.micro_batch_size:
+    replicas = p.dp * p.dp_shard
+    if t.batch_size % replicas:
+        raise LowbitError(f"train.batch_size ({t.batch_size}) must be divisible by parallel.dp * parallel.dp_shard "
+                          f"({replicas})")
+    if t.micro_batch_size and (t.batch_size // replicas) % t.micro_batch_size:
         raise LowbitError(f"train.micro_batch_size ({t.micro_batch_size}) must divide the per-replica batch "
-                          f"(train.batch_size / parallel.dp = {t.batch_size // p.dp})")
+                          f"(train.batch_size / (parallel.dp * parallel.dp_shard) = {t.batch_size // replicas})")
+
+
+def _low_precision_states(cfg) -> bool:
+    from lowbit.train.config import optim_precision
+
+    prec = optim_precision(cfg)
+    return (prec.weights, prec.master, prec.grads, prec.exp_avg, prec.exp_avg_sq) != ("fp32", "none", "fp32",
+                                                                                      "fp32", "fp32")
+
+
+def _check_fsdp(cfg) -> None:
+    """What FSDP2 (parallel.dp_shard) does not combine with yet: one line naming the first conflict."""
+    p = cfg.parallel
+    others = [f"parallel.{d} {getattr(p, d)}" for d in ("tp", "pp", "cp") if getattr(p, d) > 1]
+    if p.zero:
+        others.append("parallel.zero (FSDP shards the optimizer states already)")
+    if others:
+        raise LowbitError(f"parallel.dp_shard: FSDP2 does not combine with {others[0]} yet (dp for HSDP only)")
+    if p.grad_sync == "fp8":
+        raise LowbitError("parallel.dp_shard: FSDP2 reduce-scatters gradients in fp32 or bf16 "
+                          "(parallel.grad_sync fp32 | bf16), not fp8")
+    if _low_precision_states(cfg):
+        raise LowbitError(f"parallel.dp_shard: recipe {cfg.recipe} keeps weights or optimizer states in low "
+                          f"precision, which FSDP2 does not shard yet (fp32 states only)")
 
 
 @dataclass
@@ -74,7 +100,13 @@ class Mesh:
 
     @property
     def world(self) -> int:
-        return self.sizes["pp"] * self.sizes["dp"] * self.sizes["cp"] * self.sizes["tp"]
+        return math.prod(self.sizes.values())
+
+    @property
+    def replica(self) -> tuple[int, int]:
+        """(this process's replica, the number of replicas): dp × dp_shard, each with its own batch slice."""
+        return (self.coords["dp"] * self.sizes["dp_shard"] + self.coords["dp_shard"],
+                self.sizes["dp"] * self.sizes["dp_shard"])
 
     @property
     def rank(self) -> int:

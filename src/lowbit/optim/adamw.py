@@ -19,11 +19,18 @@ import math
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lowbit.errors import LowbitError
 from lowbit.optim.precision import KINDS, StatePrecision, decode, encode
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of an FSDP2 parameter or gradient (a DTensor); any other tensor itself. States live
+    beside the shard, so the update is plain tensor math on this rank's part."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 class GradStore:
@@ -117,6 +124,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         self._grads: dict[torch.Tensor, GradStore] = {}
         self.shard_group = None  # tensor parallelism: the group over which split parameters' norms add up
         self.stage_group = None  # pipeline parallelism: the stages, whose (disjoint) parameters' norms add up
+        self.fsdp_group = None  # FSDP2: every parameter is split over it, so the squared norms add up over it
         self.owned: set | None = None  # ZeRO-1: the parameters whose states this process keeps (None: all)
         self._compile = compile
         self._compiled: dict[str, object] = {}
@@ -149,10 +157,11 @@ class LowbitAdamW(torch.optim.Optimizer):
             kind = getattr(prec, name)
             if kind == "none":
                 continue
-            init = p.detach().float() if name == "master" else torch.zeros(p.shape, device=p.device)
+            init = local(p.detach()).float() if name == "master" else torch.zeros(local(p).shape, device=p.device)
             st[f"{name}_scale"] = torch.ones((), device=p.device)
             st[name] = encode(init, kind, st[f"{name}_scale"])
-        p.data = p.data.to(KINDS[prec.weights][0])
+        if p.dtype != KINDS[prec.weights][0]:
+            p.data = p.data.to(KINDS[prec.weights][0])
         # One hook per parameter, taking gradients for whichever optimizer holds it last (none: left alone).
         p._lowbit_grad_owner = None
         if prec.grads != prec.weights:
@@ -179,7 +188,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         """Global L2 norm of all gradients (NaN if any is non-finite); scales them to `max_norm` if above it
         (0 or inf: only measure). A scaled stored gradient is clipped exactly, by changing its scale."""
         plain_params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        plain = [p.grad for p in plain_params]
+        plain = [local(p.grad) for p in plain_params]
         stored_items = [(p, s) for p, s in self._grads.items() if s.filled]
         stored = [s for _, s in stored_items]
         norms = [n.float() for n in torch._foreach_norm(plain)] if plain else []
@@ -197,10 +206,11 @@ class LowbitAdamW(torch.optim.Optimizer):
             part = torch.where(split, squares, torch.zeros_like(squares)).sum()
             torch.distributed.all_reduce(part, group=self.shard_group)
             total = (torch.where(split, torch.zeros_like(squares), squares).sum() + part).sqrt()
-        if self.stage_group is not None:
-            squared = total.pow(2)
-            torch.distributed.all_reduce(squared, group=self.stage_group)
-            total = squared.sqrt()
+        for group in (self.stage_group, self.fsdp_group):  # disjoint parameters, or disjoint parts of them
+            if group is not None:
+                squared = total.pow(2)
+                torch.distributed.all_reduce(squared, group=group)
+                total = squared.sqrt()
         if stored:
             bad = torch.stack([s.nonfinite for s in stored]).any()
             total = torch.where(bad, torch.full_like(total, float("nan")), total)
@@ -244,8 +254,9 @@ class LowbitAdamW(torch.optim.Optimizer):
                     sub = [pg for pg, w in zip(pairs, wd_of) if w == wd]
                     ps = [p for p, _ in sub]
                     st = [self.state[p] for p in ps]
+                    ps = [local(p) for p in ps]
                     torch._foreach_add_([s["step"] for s in st], 1)  # the fused kernel reads, not counts, steps
-                    torch._fused_adamw_(ps, [g for _, g in sub], [s["exp_avg"] for s in st],
+                    torch._fused_adamw_(ps, [local(g) for _, g in sub], [s["exp_avg"] for s in st],
                                         [s["exp_avg_sq"] for s in st], [], [s["step"] for s in st], lr=group["lr"],
                                         beta1=beta1, beta2=beta2, weight_decay=wd, eps=group["eps"], amsgrad=False,
                                         maximize=False)
@@ -256,8 +267,8 @@ class LowbitAdamW(torch.optim.Optimizer):
             for (p, g), wd in zip(pairs, wd_of):
                 st = self.state[p]
                 store = self._grads.get(p)
-                grad = (store.data, store.scale, store.kind) if store is not None else (g, none, "fp32")
-                items.append((p, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
+                grad = (store.data, store.scale, store.kind) if store is not None else (local(g), none, "fp32")
+                items.append((local(p), *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
                               st["exp_avg_sq_scale"], st.get("master", none), st.get("master_scale", none),
                               st["step"], wd))
             lr = torch.tensor(group["lr"], device=device)  # a tensor: no recompiles as lr changes

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.optim.adamw import LowbitAdamW
+from lowbit.optim.adamw import LowbitAdamW, local
 
 CATEGORIES = ("weights", "master", "grads", "exp_avg", "exp_avg_sq")
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.numel() * t.element_size()
+    """What this process holds (its shard, under FSDP2)."""
+    return 0 if t is None else local(t).numel() * t.element_size()
 
 
 def memory_report(optimizer: LowbitAdamW) -> dict:

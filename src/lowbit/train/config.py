@@ -111,6 +111,8 @@ class CheckpointConfig:
 @dataclass
 class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (replicas; each takes a slice of the global batch)")
+    dp_shard: int = opt(1, "FSDP2 degree (fully_shard): parameters, gradients and optimizer states sharded over "
+                           "these replicas, each with its own batch slice; with dp > 1: HSDP")
     tp: int = opt(1, "tensor-parallel degree (attention heads and MLP width split, Megatron-style)")
     sequence_parallel: bool = opt(False, "with tp: norms and the residual stream split along the sequence "
                                          "(Megatron SP); activations gathered in FP8 under fp8-tensorwise")
@@ -279,7 +281,7 @@ POSITIVE = [
     "model.performer_features", "model.performer_chunk",
     "data.vocab_size", "data.seq_len", "train.steps", "train.batch_size", "train.lr", "train.eps",
     "train.eval_batches", "train.log_every", "train.rollback_after", "checkpoint.keep",
-    "parallel.dp", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.timeout_s",
+    "parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.timeout_s",
 ]
 NON_NEGATIVE = [
     "model.performer_redraw",

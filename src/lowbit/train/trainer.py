@@ -22,6 +22,7 @@ import torch
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
 from lowbit.distributed import context_parallel, tensor_parallel
 from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
+from lowbit.distributed.fsdp import apply_fsdp
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
 from lowbit.distributed.sharded_state import checkpoint_tensors
@@ -179,7 +180,8 @@ def train(cfg: Config) -> dict:
     mesh = init_mesh(cfg.parallel, device)
     lead = mesh.rank == 0
     say = print if lead else (lambda *a, **k: None)
-    replicas = mesh.group("dp", "cp")  # ranks whose gradients and losses are averaged
+    replicas = mesh.group("dp", "dp_shard", "cp")  # ranks whose gradients and losses are averaged
+    fsdp = mesh.sizes["dp_shard"] > 1  # FSDP2 averages the gradients itself (in its reduce-scatter)
     if recipe.linear is None and precision.weights != "fp32" and dtype == torch.float32:
         raise LowbitError(f"optim.weights: {precision.weights} weights in high-precision linears need autocast "
                           f"(train.dtype bf16)")
@@ -191,7 +193,7 @@ def train(cfg: Config) -> dict:
     dataset = TokenDataset(data_path, tokenizer=cfg.data.tokenizer, verify=cfg.data.verify)
     args = resolve_model_args(cfg.model, vocab_size=dataset.vocab_size, seq_len=cfg.data.seq_len)
     loader = Loader(dataset.split("train"), cfg.data.seq_len, t.batch_size, seed=t.seed,
-                    dp_rank=mesh.coords["dp"], dp_size=mesh.sizes["dp"])
+                    dp_rank=mesh.replica[0], dp_size=mesh.replica[1])
     val_split = dataset.split("val")
     val_data = val_batches(val_split, cfg.data.seq_len, t.micro_batch_size or t.batch_size, t.eval_batches) \
         if val_split.num_windows(cfg.data.seq_len) > 0 else []
@@ -239,10 +241,13 @@ def train(cfg: Config) -> dict:
             apply_sequence_parallel(model, tp_group)
     pp_group = mesh.group("pp")
     stage = pipeline.split_model(model, mesh.sizes["pp"], mesh.coords["pp"]) if pp_group is not None else None
-    grad_sync = GradSync(replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
+    if fsdp:
+        apply_fsdp(model, mesh, cfg.parallel.grad_sync)
+    grad_sync = GradSync(None if fsdp else replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
     optimizer.shard_group, optimizer.stage_group = tp_group, pp_group
+    optimizer.fsdp_group = mesh.group("dp_shard")
     zero = Zero1(optimizer, replicas) if cfg.parallel.zero and replicas is not None else None
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
 
@@ -303,7 +308,8 @@ def train(cfg: Config) -> dict:
     peak = gpu_peak_flops(device) if dtype == torch.bfloat16 else None
     flops_per_step = flops_per_token * tokens_per_step / mesh.world  # per process: MFU is per GPU
     last_step = t.stop_at or t.steps
-    layout = " | " + " x ".join(f"{d} {mesh.sizes[d]}" for d in ("dp", "cp", "tp", "pp") if mesh.sizes[d] > 1) \
+    layout = " | " + " x ".join(f"{d} {mesh.sizes[d]}" for d in ("dp", "dp_shard", "cp", "tp", "pp")
+                                  if mesh.sizes[d] > 1) \
         if mesh.world > 1 else ""
     say(f"lowbit: {n_params / 1e6:.2f}M parameters ({args.n_layers} layers, dim {args.dim}, vocab "
           f"{args.vocab_size}) | recipe {recipe.name} | {dtype} on {device} | {t.batch_size}x{cfg.data.seq_len} "
