@@ -287,31 +287,21 @@ def compare(params, saved, opt, group, mode, fmt, scaling, calls, compile_):
     return res
 
 
-def profile_one(sync, opt, params, saved, device, rows=12):
-    """Device time of one exchange by kernel (rows with device time and no CPU time: kernels and copies), with
-    totals for NCCL kernels and for everything else."""
+def profile_one(sync, opt, params, saved, device, rows=14):
     restore(params, saved)
     sync_dev(device)
     acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    t0 = time.perf_counter()
     with torch.profiler.profile(activities=acts) as prof:
         sync.sync(opt)
         sync_dev(device)
-    wall = (time.perf_counter() - t0) * 1e3
     ka = prof.key_averages()
     key = "self_device_time_total" if hasattr(ka[0], "self_device_time_total") else "self_cuda_time_total"
     if device.type != "cuda":
         key = "self_cpu_time_total"
-        kernels = list(ka)
-    else:
-        kernels = [e for e in ka if getattr(e, key) > 0 and e.self_cpu_time_total == 0]
-    kernels.sort(key=lambda e: getattr(e, key), reverse=True)
-    ms = lambda e: getattr(e, key) / 1e3  # noqa: E731
-    nccl = sum(ms(e) for e in kernels if "nccl" in e.key.lower())
-    total = sum(ms(e) for e in kernels)
-    top = [{"name": e.key[:100], "ms": ms(e), "calls": e.count} for e in kernels[:rows]]
-    return {"metric": key, "profiled_wall_ms": wall, "kernel_sum_ms": total, "nccl_kernel_ms": nccl,
-            "other_kernel_ms": total - nccl, "top": top}
+    evs = sorted(ka, key=lambda e: getattr(e, key), reverse=True)
+    total = sum(getattr(e, key) for e in ka)
+    top = [{"name": e.key[:90], "self_ms": getattr(e, key) / 1e3, "calls": e.count} for e in evs[:rows]]
+    return {"metric": key, "sum_self_ms": total / 1e3, "top": top}
 
 
 def main():
@@ -322,7 +312,6 @@ def main():
     ap.add_argument("--iters", type=int, default=15)
     ap.add_argument("--out", default="grad_sync_bench.json")
     ap.add_argument("--skip-compare", action="store_true")
-    ap.add_argument("--groups", default="", help="extra fp8 timings of the fused path with these GROUP values")
     ap.add_argument("--bucket", type=int, default=0, help="elements per bucket, both implementations (0: theirs)")
     ap.add_argument("--compile", type=int, default=-1, help="new fp8 path: 1 fused (torch.compile), 0 eager, "
                     "-1 both on cuda / eager on cpu")
@@ -399,21 +388,6 @@ def main():
         if rank == 0:
             print(f"time {mode:4s} {impl:16s} wall median {r['wall_ms_median']:.2f} ms (ranks: "
                   f"{[round(x['wall_ms_median'], 2) for x in allr]}) events {r['event_ms_median']}", flush=True)
-    if args.groups and cuda:
-        default_group = new_impl.GROUP
-        for g in map(int, args.groups.split(",")):
-            new_impl.GROUP = g
-            r = time_sync(GradSync(group, "fp8", "e4m3", "auto", compile=True), opt, params, saved, device,
-                          args.warmup, args.iters)
-            allr = [None] * world
-            dist.all_gather_object(allr, r)
-            result["timing"][f"fp8_new_compile1_group{g}"] = {
-                "per_rank": allr, "wall_ms_median_max_over_ranks": max(x["wall_ms_median"] for x in allr),
-                "wall_ms_median_min_over_ranks": min(x["wall_ms_median"] for x in allr)}
-            if rank == 0:
-                print(f"time fp8  new_compile1 GROUP={g} wall median {r['wall_ms_median']:.2f} ms", flush=True)
-        new_impl.GROUP = default_group
-    result["meta"]["group"] = new_impl.GROUP
     result["comm_only_ms_rank0"] = time_comm(device, numel, args.warmup, max(args.iters // 2, 3)) if cuda else None
     if rank == 0:
         print("comm only:", result["comm_only_ms_rank0"], flush=True)
@@ -424,10 +398,9 @@ def main():
         s.sync(opt)  # warm
         result["profile"][f"fp8_{name}"] = p = profile_one(s, opt, params, saved, device)
         if rank == 0:
-            print(f"profile fp8 {name}: wall {p['profiled_wall_ms']:.1f} ms, kernels {p['kernel_sum_ms']:.1f} ms "
-                  f"(nccl {p['nccl_kernel_ms']:.1f}, other {p['other_kernel_ms']:.1f})", flush=True)
+            print(f"profile fp8 {name}: sum of self {p['metric']} {p['sum_self_ms']:.1f} ms", flush=True)
             for e in p["top"]:
-                print(f"   {e['ms']:9.3f} ms  x{e['calls']:<5d} {e['name']}", flush=True)
+                print(f"   {e['self_ms']:9.3f} ms  x{e['calls']:<5d} {e['name']}", flush=True)
     result["meta"]["bench_seconds"] = time.time() - t_start
     if rank == 0:
         with open(args.out, "w") as fh:

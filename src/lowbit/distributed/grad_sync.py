@@ -40,7 +40,6 @@ from lowbit.optim.precision import _pow2_scale
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 BUCKET = 1 << 25  # elements per exchange (128 MiB of fp32): bounds the extra memory of the staging copies
-GROUP = 4  # fp8: buckets per all-to-all / all-gather (fewer, larger collectives; each bucket's numerics unchanged)
 MAX_CHUNK = 1 << 16  # elements sharing one scale entry in the fp8 path (at most; C divides every tensor size)
 
 
@@ -49,22 +48,19 @@ def _is_pow2(x: float) -> bool:
     return x > 0 and m == 0.5
 
 
-# ---- the elementwise steps of one exchange unit (k buckets of P = n·m padded elements each) ----
-# quant: x [k·numel] fp32 (k > 1 only without padding) -> wire [n, k, m] FP8: rank r's part is shard r of every bucket
-# mid:   received [n, k, m] FP8 -> (shard sums cast back [k, m] FP8, saturated sums per bucket [k])
-# deq:   gathered [n, k, m] FP8 -> mean [k·numel] fp32
-# The eager versions are the ops of the one-bucket-at-a-time code; the fused versions (CUDA, torch.compile) give
-# the same bits (see GradSync._fused_ok and _deq_fused).
-def _quant(x, s, k, n, fmax, dtype, fused=False):
-    y = x * s
-    q = (y.clamp(-fmax, fmax) if fused else y.clamp_(-fmax, fmax)).to(dtype)
-    return q.view(k, n, -1).transpose(0, 1).contiguous()
+# ---- fused elementwise steps (CUDA, torch.compile), each the same bits as its eager twin below ----
+def _quant_eager(x, s, fmax, dtype):
+    return (x * s).clamp_(-fmax, fmax).to(dtype)
 
 
 def _mid_eager(r, fmax, dtype):
     shard = r.float().sum(0)
-    over = (shard.abs() > fmax).sum(1)
+    over = (shard.abs() > fmax).sum()
     return shard.clamp_(-fmax, fmax).to(dtype), over
+
+
+def _quant_fused(x, s, fmax: float, dtype):
+    return (x * s).clamp(-fmax, fmax).to(dtype)
 
 
 def _mid_fused(r, fmax: float, dtype):
@@ -72,25 +68,19 @@ def _mid_fused(r, fmax: float, dtype):
     for i in range(1, r.shape[0]):
         acc = acc + r[i].float()
     acc = torch.where(acc == 0, 0.0, acc)  # eager sum starts from +0: a sum of zeros is +0, never -0
-    over = (acc.abs() > fmax).sum(1)
+    over = (acc.abs() > fmax).sum()
     return acc.clamp(-fmax, fmax).to(dtype), over
 
 
-def _unwire(g, numel, c):
-    """gathered [n, k, m] -> [k·numel / c, c] in flat order (each bucket's padding dropped)."""
-    n, k, m = g.shape
-    return g.transpose(0, 1).reshape(k, n * m)[:, :numel].reshape(-1, c)
-
-
-def _deq_fused(g, recip, numel: int, c: int):
-    return _unwire(g, numel, c).float() * recip  # == .float() / d bit for bit when d is a power of two
+def _deq_fused(g, recip):
+    return g.float() * recip  # == g.float() / d bit for bit when d is a power of two (1/d exact, one rounding)
 
 
 @lru_cache(maxsize=None)
 def _compiled(name: str, fmax: float, dtype):
     if name == "quant":
-        def fn(x, s, k, n):
-            return _quant(x, s, k, n, fmax, dtype, fused=True)
+        def fn(x, s):
+            return _quant_fused(x, s, fmax, dtype)
     elif name == "mid":
         def fn(r):
             return _mid_fused(r, fmax, dtype)
@@ -101,23 +91,22 @@ def _compiled(name: str, fmax: float, dtype):
 
 class _Layout:
     """Where every bucket of the flat gradient comes from: pieces (slot, start, end, offset in bucket), the chunk
-    size C and, per bucket, which tensor owns each chunk; and the exchange units, up to GROUP consecutive buckets
-    of the same size sent by one all-to-all and one all-gather (only where no bucket is padded)."""
+    size C and, per bucket, which tensor owns each chunk."""
 
-    def __init__(self, numels: list[int], world: int, device, group: int):
-        self.numels, self.group = numels, group
+    def __init__(self, numels: list[int], world: int, device):
+        self.numels = numels
         self.total = total = sum(numels)
         c = BUCKET
         for n in numels:
             c = math.gcd(c, n) if n else c
         c = math.gcd(c, total) if total else 1
-        while c > MAX_CHUNK and c % 2 == 0:
+        while c > MAX_CHUNK:
             c //= 2
         self.chunk = max(c, 1)
         offsets = [0]
         for n in numels:
             offsets.append(offsets[-1] + n)
-        buckets = []
+        self.buckets = []
         i = 0
         for start in range(0, total, BUCKET):
             end = min(start + BUCKET, total)
@@ -130,22 +119,10 @@ class _Layout:
                 if b > a:
                     pieces.append((j, a - offsets[j], b - offsets[j], a - start))
                 j += 1
-            buckets.append((end - start, (-(end - start)) % world, pieces))
-        # units: (k, numel per bucket, pad per bucket, pieces with offsets in the unit, chunk owners)
-        self.units = []
-        b = 0
-        while b < len(buckets):
-            numel, pad, _ = buckets[b]
-            k = 1
-            while (pad == 0 and k < group and b + k < len(buckets) and buckets[b + k][0] == numel
-                   and buckets[b + k][1] == 0):
-                k += 1
-            pieces = [(j, a, e, off + t * numel) for t in range(k) for j, a, e, off in buckets[b + t][2]]
             owner = torch.repeat_interleave(torch.tensor([p[0] for p in pieces], dtype=torch.long),
                                             torch.tensor([(p[2] - p[1]) // self.chunk for p in pieces]))
-            self.units.append((k, numel, pad, pieces, owner.to(device)))
-            b += k
-        self.buckets = [(numel, pad, pieces) for numel, pad, pieces in buckets]
+            numel = end - start
+            self.buckets.append((numel, (-numel) % world, pieces, owner.to(device)))
 
 
 class GradSync:
@@ -205,9 +182,8 @@ class GradSync:
         flat_srcs = [s.reshape(-1) for s in srcs]
         numels = [s.numel() for s in flat_srcs]
         device = flat_srcs[0].device if flat_srcs else torch.device("cpu")
-        group = GROUP if self.mode == "fp8" and self._fused_ok() else 1
-        if self._layout is None or self._layout.numels != numels or self._layout.group != group:
-            self._layout = _Layout(numels, self.world, device, group)
+        if self._layout is None or self._layout.numels != numels:
+            self._layout = _Layout(numels, self.world, device)
         lay = self._layout
         if self.mode == "fp8":
             bad = self._sync_fp8(lay, flat_srcs, outs, device)
@@ -248,7 +224,7 @@ class GradSync:
         dtype = torch.float32 if self.mode == "fp32" else torch.bfloat16
         itemsize = 4 if self.mode == "fp32" else 2
         pending = None
-        for numel, _, pieces in lay.buckets:
+        for numel, _, pieces, _ in lay.buckets:
             y = self._stage(srcs, pieces, numel, dtype, srcs[0].device)
             work = dist.all_reduce(y, group=self.group, async_op=True)
             self.bytes_sent += self._ring_bytes(numel, itemsize)
@@ -280,26 +256,35 @@ class GradSync:
         return scale, stats[-1], _is_pow2(factor) and _is_pow2(self.world)
 
     def _sync_fp8(self, lay, srcs, outs, device) -> bool:
-        n = self.world
+        n, f = self.world, self.fmt
         scale, bad, pow2 = self._scales(srcs)
         div = scale * n
         recip = 1.0 / div if pow2 else None
         fused = self._use_compile(device)
         over = torch.zeros((), device=device)
-        stage1 = stage2 = None  # unit waiting for its all-to-all / for its all-gather
-        for unit in lay.units:
-            work, received, wire = self._fp8_front(unit, srcs, scale, lay.chunk, fused)
+        c = lay.chunk
+        stage1 = stage2 = None  # bucket waiting for its all-to-all / for its all-gather
+        for numel, pad, pieces, owner in lay.buckets:
+            x = self._stage(srcs, pieces, numel, torch.float32, device)
+            q = self._run(fused, "quant", x.view(-1, c), scale[owner].view(-1, 1)).view(-1)
+            if pad:
+                q = torch.cat([q.view(torch.uint8), q.new_zeros(pad, dtype=torch.uint8)]).view(f.torch_dtype)
+            # reduce-scatter: rank r receives everyone's shard r (FP8 bytes) and sums it in fp32 (same scales on
+            # every rank, so the scaled values add directly)
+            received = torch.empty_like(q.view(torch.uint8))
+            work = dist.all_to_all_single(received, q.view(torch.uint8), group=self.group, async_op=True)
+            self.bytes_sent += (n - 1) * q.numel() // n
+            del x
             if stage2 is not None:
-                self._fp8_back(*stage2, outs, fused, div, recip, lay.chunk)
+                self._fp8_back(*stage2, outs, fused, div, recip, c)
                 stage2 = None
             if stage1 is not None:
                 stage2 = self._fp8_mid(*stage1, over, fused and self._fused_ok())
-            stage1 = (work, received, wire, unit)
+            stage1 = (work, received, q, numel, pieces, owner)
         if stage2 is not None:
-            self._fp8_back(*stage2, outs, fused, div, recip, lay.chunk)
+            self._fp8_back(*stage2, outs, fused, div, recip, c)
         if stage1 is not None:
-            self._fp8_back(*self._fp8_mid(*stage1, over, fused and self._fused_ok()), outs, fused, div, recip,
-                           lay.chunk)
+            self._fp8_back(*self._fp8_mid(*stage1, over, fused and self._fused_ok()), outs, fused, div, recip, c)
         dist.all_reduce(over, group=self.group)
         self.bytes_sent += self._ring_bytes(1, 4)
         over_v, bad_v = torch.stack([over, bad]).tolist()  # the one host sync
@@ -308,45 +293,23 @@ class GradSync:
             self.auto.update(self.overflow_ratio)
         return bad_v > 0
 
-    def _fp8_front(self, unit, srcs, scale, c, fused):
-        """Stage, scale, clamp and cast k buckets into the wire layout [n, k, m]; start their all-to-all."""
+    def _fp8_mid(self, work, received, q, numel, pieces, owner, over, fused):
         n, f = self.world, self.fmt
-        k, numel, pad, pieces, owner = unit
-        x = self._stage(srcs, pieces, k * numel, torch.float32, scale.device)
-        s = scale[owner].view(-1, 1)
-        if pad:  # one bucket, padded to a multiple of n with zeros (scale 1: FP8 zero bytes)
-            q = self._run(fused, "quant", x.view(-1, c), s, 1, 1).view(torch.uint8).view(-1)
-            wire = torch.cat([q, q.new_zeros(pad)])
-        else:
-            wire = self._run(fused, "quant", x.view(-1, c), s, k, n).view(torch.uint8).view(-1)
-        del x
-        # reduce-scatter: rank r receives everyone's shard r (FP8 bytes) of every bucket and sums it in fp32
-        # (same scales on every rank, so the scaled values add directly)
-        received = torch.empty_like(wire)
-        work = dist.all_to_all_single(received, wire, group=self.group, async_op=True)
-        self.bytes_sent += k * ((n - 1) * (numel + pad) // n)
-        return work, received, wire
-
-    def _fp8_mid(self, work, received, wire, unit, over, fused):
-        n, f = self.world, self.fmt
-        k, numel, pad = unit[:3]
         work.wait()
-        shard_q, o = self._run(fused, "mid", received.view(f.torch_dtype).view(n, k, -1))
-        for t in range(k):  # the per-bucket counts, added in fp32 in bucket order
-            over += o[t].float()
-        gathered = torch.empty_like(wire)
-        work = _all_gather(gathered, shard_q.view(torch.uint8).view(-1), group=self.group, async_op=True)
-        self.bytes_sent += k * ((n - 1) * (numel + pad) // n)
-        return work, gathered, unit
+        shard_q, o = self._run(fused, "mid", received.view(f.torch_dtype).view(n, -1))
+        over += o.float()
+        gathered = torch.empty_like(q.view(torch.uint8))
+        work = _all_gather(gathered, shard_q.view(torch.uint8), group=self.group, async_op=True)
+        self.bytes_sent += (n - 1) * q.numel() // n
+        return work, gathered, numel, pieces, owner
 
-    def _fp8_back(self, work, gathered, unit, outs, fused, div, recip, c) -> None:
-        k, numel, pad, pieces, owner = unit
+    def _fp8_back(self, work, gathered, numel, pieces, owner, outs, fused, div, recip, c) -> None:
         work.wait()
-        g = gathered.view(self.fmt.torch_dtype).view(self.world, k, -1)
+        g = gathered.view(self.fmt.torch_dtype)[:numel].view(-1, c)
         if recip is not None and fused and self.compile is not False:
-            mean = self._run(fused, "deq", g, recip[owner].view(-1, 1), numel, c).view(-1)
-        else:  # the eager ops of the one-bucket-at-a-time exchange
-            mean = (_unwire(g, numel, c).float() / div[owner].view(-1, 1)).view(-1)
+            mean = self._run(fused, "deq", g, recip[owner].view(-1, 1)).view(-1)
+        else:  # the eager ops of the one-flat-buffer exchange
+            mean = (g.float() / div[owner].view(-1, 1)).view(-1)
         for j, a, b, off in pieces:
             outs[j][a:b].copy_(mean[off:off + b - a])
 
@@ -360,11 +323,11 @@ class GradSync:
                               "running it eagerly", stacklevel=2)
                 self.compile = False
         if name == "quant":
-            return _quant(*args, f.max, f.torch_dtype)
+            return _quant_eager(*args, f.max, f.torch_dtype)
         if name == "mid":
             return _mid_eager(*args, f.max, f.torch_dtype)
-        g, recip, numel, c = args
-        return _unwire(g, numel, c).float() * recip  # only with scale·N a power of two: == .float() / (scale·N)
+        g, recip = args
+        return g.float() * recip  # only with scale·N a power of two: the same bits as g.float() / (scale·N)
 
     def state_dict(self) -> dict:
         return {"auto": self.auto.state_dict()}
