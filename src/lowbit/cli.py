@@ -1,8 +1,10 @@
-"""`lowbit <command>`: train, prepare, generate, export-hf. User errors print one line and exit with status 2."""
+"""`lowbit <command>`: train, prepare, generate, export-hf, recipes, inspect, compare. User errors print one line
+and exit with status 2."""
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 
 from lowbit.errors import LowbitError
@@ -16,6 +18,8 @@ commands:
   export-hf RUN_DIR OUT_DIR                       write a HF transformers LlamaForCausalLM directory
   recipes                                         list the numerics recipes
   inspect RUN_DIR                                 numerics telemetry: heatmaps and the worst layers
+  compare --recipes A,B,... [--out DIR] [CONFIG.toml] [--section.key=value ...]
+                                                  train under each recipe, then losses, gaps and telemetry side by side
 
 `lowbit <command> --help` lists a command's options."""
 
@@ -44,10 +48,16 @@ def _subcommand(name: str, argv: list[str]) -> int:
         from lowbit.tools.generate import add_args as add, run
     elif name == "inspect":
         from lowbit.tools.inspect import add_args as add, run
+    elif name == "compare":
+        from lowbit.tools.compare import add_args as add, run
     else:
         from lowbit.tools.export_hf import add_args as add, run
     parser = _Parser(prog=f"lowbit {name}")
     add(parser)
+    if name == "compare":  # what its parser does not know is train's: CONFIG.toml and --section.key=value
+        a, a.train = parser.parse_known_args(argv)
+        a.command = shlex.join(["lowbit", name, *argv])
+        return run(a)
     return run(parser.parse_args(argv))
 
 
@@ -75,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             return _train(rest)
-        if command in ("prepare", "generate", "export-hf", "inspect"):
+        if command in ("prepare", "generate", "export-hf", "inspect", "compare"):
             return _subcommand(command, rest)
         if command == "recipes":
             return _recipes()
@@ -84,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf, recipes, inspect)")
+        raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf, recipes, inspect, "
+                          "compare)")
     except LowbitError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
         return 2

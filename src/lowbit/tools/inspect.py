@@ -72,16 +72,19 @@ def heatmaps(run_dir: Path, out_dir: Path) -> list[Path]:
     return written
 
 
+def ranked(rows: dict[str, list], q: str) -> list[tuple[str, float]]:
+    """('layer:operand', value of q) at the last telemetry step, worst first (q must have a worse end)."""
+    last = [(r, s[-1].get(q)) for r, s in rows.items() if s[-1].get(q) is not None]
+    return sorted(last, key=lambda t: t[1], reverse=(QUANTITIES[q][2] == "high"))
+
+
 def worst(run_dir: Path, n: int = 5) -> list[str]:
     """The n worst rows at the last telemetry step for SNR, underflow and saturation."""
     steps, rows = load_telemetry(run_dir)
     lines = [f"numerics telemetry at step {steps[-1]} ({len(rows)} operands):"]
     for q, (_, label, bad) in QUANTITIES.items():
-        if bad is None:
-            continue
-        last = [(r, s[-1].get(q)) for r, s in rows.items() if s[-1].get(q) is not None]
-        last.sort(key=lambda t: t[1], reverse=(bad == "high"))
-        lines.append(f"  worst {label}: " + ", ".join(f"{r} {v:.3g}" for r, v in last[:n]))
+        if bad is not None:
+            lines.append(f"  worst {label}: " + ", ".join(f"{r} {v:.3g}" for r, v in ranked(rows, q)[:n]))
     return lines
 
 

@@ -1,0 +1,228 @@
+"""`lowbit compare --recipes a,b,... --out DIR [CONFIG.toml] [--section.key=value ...]`: the same model, data and
+seed trained under each recipe (run dir DIR/<recipe>, one after another in this process), then an overlay of the
+training and validation losses (compare.png), a table of final losses with the gap to bf16, throughput and the
+worst under/overflowing operand of each low-precision run (compare.md, compare.json, and printed).
+
+Re-running picks up where it stopped: a finished run is skipped, an unfinished one resumes from its newest good
+checkpoint, or starts again if it has none. A run dir trained under another config is an error, not reused
+(train.stop_at may differ: it says how far to go, not what to train).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import shutil
+import statistics
+from pathlib import Path
+
+from lowbit.errors import LowbitError
+
+LAST_N = 10  # the final training loss is the mean of the last LAST_N steps: one batch's loss is noisy
+# Keys that may differ between the config a run was started with and the one that continues it.
+CONTINUATION_KEYS = ("run.resume", "train.stop_at")
+SAY = {"train": "training in", "skip": "skipped, finished run in", "resume": "resuming", "restart":
+       "restarting (stopped before its first checkpoint)"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.allow_abbrev = False  # `--recipe` is a train key, not an abbreviation of --recipes
+    p.description = "Any other argument is lowbit train's: an optional CONFIG.toml and --section.key=value " \
+                    "overrides (`lowbit train --help`), the same for every recipe."
+    p.add_argument("--recipes", required=True, help="comma-separated recipes (`lowbit recipes`); include bf16 "
+                                                    "for the gap column, else the gap is to the first")
+    p.add_argument("--out", default="runs/compare", help="directory of the runs (OUT/<recipe>) and the report")
+
+
+def parse_recipes(text: str) -> list[str]:
+    from lowbit.recipes import RECIPES
+
+    names = [n.strip() for n in text.split(",")]
+    for n in names:
+        if n not in RECIPES:
+            raise LowbitError(f"compare: --recipes: {n!r} is not one of {', '.join(RECIPES)}")
+    if len(set(names)) != len(names):
+        raise LowbitError(f"compare: --recipes: {text!r} names a recipe twice")
+    return names
+
+
+def configs(recipes: list[str], train_args: list[str], out: Path) -> dict:
+    """The config of each run: the user's, with the recipe and run dir set; all validated before any training."""
+    from lowbit.train.config import load_config, parse_overrides
+
+    path, overrides = (train_args[0], train_args[1:]) if train_args and not train_args[0].startswith("--") \
+        else (None, train_args)
+    for key, _ in parse_overrides(list(overrides)):
+        if key in ("recipe", "run.dir", "run.resume"):
+            raise LowbitError(f"compare: --{key} is set by compare for each run (--recipes, --out)")
+    return {r: load_config(path, [*overrides, f"--recipe={r}", f"--run.dir={out / r}"]) for r in recipes}
+
+
+def _flat_config(text: str) -> dict:
+    from lowbit.train.config import _flatten, tomllib
+
+    return {k: v for k, v in _flatten(tomllib.loads(text)) if k not in CONTINUATION_KEYS}
+
+
+def plan(cfg) -> str:
+    """What to do with one run dir: 'train', 'skip' (finished), 'resume' (has a checkpoint), 'restart'."""
+    from lowbit.train import checkpoint as ckpt
+    from lowbit.train.config import to_toml
+
+    run_dir = Path(cfg.run.dir)
+    if not (run_dir / "metrics.jsonl").exists() and not ckpt.list_checkpoints(run_dir):
+        return "train"
+    saved = run_dir / "config.toml"
+    if saved.is_file() and _flat_config(saved.read_text()) != _flat_config(to_toml(cfg)):
+        raise LowbitError(f"compare: {run_dir} was trained with another config than this one (see its "
+                          f"config.toml); choose another --out or delete it")
+    try:  # train writes summary.json last, with the step it reached
+        reached = json.loads((run_dir / "summary.json").read_text()).get("step")
+    except (OSError, ValueError):
+        reached = None
+    if reached == (cfg.train.stop_at or cfg.train.steps):
+        return "skip"
+    return "resume" if ckpt.list_checkpoints(run_dir) else "restart"
+
+
+def run_one(cfg, action: str) -> None:
+    from lowbit.train.trainer import train
+
+    run_dir = Path(cfg.run.dir)
+    if action == "restart":  # stopped before its first checkpoint: nothing to keep, and train refuses the dir
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
+    cfg.run.resume = action == "resume"
+    train(cfg)
+    gc.collect()  # the next run should not share the device with this one's tensors
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def read_run(run_dir: Path, low_precision: bool) -> dict:
+    from lowbit.tools.inspect import load_telemetry, ranked
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
+    val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
+    tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    last = [v for _, v in train[-LAST_N:]]
+    out = {"run_dir": str(run_dir), "steps": max((r["step"] for r in records if "loss" in r), default=0), "train": train, "val": val,
+           "train_loss": sum(last) / len(last) if last else None, "val_loss": val[-1][1] if val else None,
+           "tokens_per_s": statistics.median(tps) if tps else None, "underflow": None, "saturated": None}
+    if low_precision:
+        try:
+            steps, rows = load_telemetry(run_dir)
+        except LowbitError:  # numerics.telemetry_every 0
+            return out
+        for q, key in (("underflow_pct", "underflow"), ("saturated_pct", "saturated")):
+            worst = ranked(rows, q)
+            if worst:
+                # at 0% no operand is worse than another
+                out[key] = {"operand": worst[0][0] if worst[0][1] else None, "pct": worst[0][1], "step": steps[-1]}
+    return out
+
+
+def _gap(v, base):
+    return None if v is None or not base else 100.0 * (v - base) / base
+
+
+def _fmt(v, spec: str, unit: str = "") -> str:
+    return "—" if v is None else format(v, spec) + unit
+
+
+def table(report: dict) -> str:
+    base = report["baseline"]
+    lines = [f"{report['device']} | torch {report['torch']} | {report['date']} | `{report['command']}`", "",
+             f"final train loss: mean of the last {LAST_N} steps; final val loss: the last validation; "
+             f"gaps relative to {base}{'' if base == 'bf16' else ' (bf16 is not in --recipes)'}; tokens/s: "
+             f"median of the logged windows; worst underflow (% of non-zeros flushed to zero) and saturation "
+             f"(% clamped at the format's max): the worst operand at the last telemetry step", "",
+             f"| recipe | steps | train loss | val loss | train gap to {base} | val gap to {base} | tokens/s "
+             f"| worst underflow | worst saturation |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for r in report["runs"]:
+        worst = ["—" if w is None else f"{w['pct']:.3g}% {w['operand'] or ''}".strip()
+                 for w in (r["underflow"], r["saturated"])]
+        lines.append(f"| {r['recipe']} | {r['steps']} | {_fmt(r['train_loss'], '.4f')} | {_fmt(r['val_loss'], '.4f')} "
+                     f"| {_fmt(r['train_gap_pct'], '+.2f', '%')} | {_fmt(r['val_gap_pct'], '+.2f', '%')} "
+                     f"| {_fmt(r['tokens_per_s'], '.0f')} | {worst[0]} | {worst[1]} |")
+    earlier = [r["recipe"] for r in report["runs"] if r["this_session"] == "skip"]
+    if earlier:
+        lines += ["", f"Trained in an earlier session (skipped now; their tokens/s are from then): "
+                      f"{', '.join(earlier)}."]
+    return "\n".join(lines)
+
+
+def plot(report: dict, out_png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for r in report["runs"]:
+        line = ax_t.plot(*zip(*r["train"]), lw=0.8, label=r["recipe"])[0] if r["train"] else None
+        if r["val"]:
+            ax_v.plot(*zip(*r["val"]), "o-", ms=3, label=r["recipe"], color=line and line.get_color())
+    for ax, title in ((ax_t, "training loss"), (ax_v, "validation loss")):
+        ax.set_xlabel("step")
+        ax.set_ylabel("cross-entropy (nats/token)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"{report['device']} | torch {report['torch']} | {report['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=110)
+    plt.close(fig)
+
+
+def _device_name(cfg) -> str:
+    import torch
+
+    from lowbit.train.trainer import resolve_device
+
+    device = resolve_device(cfg.run.device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
+
+    from lowbit.distributed.mesh import world_size
+    from lowbit.recipes import RECIPES
+
+    if world_size() > 1:
+        raise LowbitError("compare: runs its recipes one after another in one process; start it without torchrun")
+    recipes = parse_recipes(a.recipes)
+    out = Path(a.out)
+    cfgs = configs(recipes, a.train, out)
+    actions = {r: plan(cfg) for r, cfg in cfgs.items()}  # every run dir checked before anything trains
+    for r, cfg in cfgs.items():
+        print(f"lowbit compare: {r}: {SAY[actions[r]]} {cfg.run.dir}", flush=True)
+        if actions[r] != "skip":
+            run_one(cfg, actions[r])
+
+    base = "bf16" if "bf16" in recipes else recipes[0]
+    runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[r].linear is not None) for r in recipes}
+    report = {"device": _device_name(cfgs[base]), "torch": torch.__version__,
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "command": a.command, "baseline": base, "last_n": LAST_N, "runs": []}
+    for r in recipes:
+        run_ = runs[r]
+        report["runs"].append({"recipe": r, "this_session": actions[r], **run_,
+                               "train_gap_pct": _gap(run_["train_loss"], runs[base]["train_loss"]),
+                               "val_gap_pct": _gap(run_["val_loss"], runs[base]["val_loss"])})
+    out.mkdir(parents=True, exist_ok=True)
+    text = table(report)
+    (out / "compare.md").write_text(text + "\n")
+    (out / "compare.json").write_text(json.dumps(report, indent=1))
+    plot(report, out / "compare.png")
+    print(text)
+    print(f"lowbit compare: wrote {out / 'compare.md'}, {out / 'compare.json'}, {out / 'compare.png'}")
+    return 0

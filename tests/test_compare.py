@@ -1,0 +1,71 @@
+"""`lowbit compare`: runs under each recipe, the report, and re-runs that skip, resume or restart."""
+
+import json
+
+import pytest
+
+from conftest import SMALL, cli, losses
+
+RECIPES = "bf16,fp8-tensorwise"
+ARGS = [*SMALL, "--train.steps", "6", "--numerics.telemetry_every", "3"]
+
+
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    from lowbit.cli import main
+
+    out = tmp_path_factory.mktemp("compare") / "out"
+    assert main(["compare", "--recipes", RECIPES, "--out", str(out), *ARGS]) == 0
+    return out
+
+
+def test_compare_writes_the_report(compared):
+    for name in ("compare.png", "compare.md", "compare.json"):
+        assert (compared / name).stat().st_size > 100
+    report = json.loads((compared / "compare.json").read_text())
+    assert report["baseline"] == "bf16" and report["command"].startswith("lowbit compare --recipes")
+    bf16, fp8 = report["runs"]
+    assert (bf16["recipe"], fp8["recipe"]) == ("bf16", "fp8-tensorwise")
+    assert bf16["val_gap_pct"] == 0 and bf16["train_gap_pct"] == 0 and bf16["underflow"] is None
+    assert bf16["steps"] == fp8["steps"] == 6 and fp8["val_loss"] is not None
+    # the same seed and data: FP8 emulation moves the loss a little, not a lot
+    assert fp8["val_gap_pct"] == pytest.approx(100 * (fp8["val_loss"] / bf16["val_loss"] - 1)) and \
+        abs(fp8["val_gap_pct"]) < 1
+    assert fp8["underflow"]["step"] == 6 and fp8["saturated"]["pct"] >= 0
+    table = (compared / "compare.md").read_text()
+    assert "torch" in table.splitlines()[0] and "`lowbit compare" in table.splitlines()[0]
+    assert "| bf16 | 6 |" in table and "+0.00% | +0.00% |" in table and "| fp8-tensorwise | 6 |" in table
+
+
+def test_compare_rerun_skips_finished_runs(compared, capsys):
+    mtimes = {r: (compared / r / "metrics.jsonl").stat().st_mtime_ns for r in RECIPES.split(",")}
+    code, out, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", compared, *ARGS)
+    assert code == 0 and out.count("skipped, finished run") == 2 and "step " not in out
+    assert mtimes == {r: (compared / r / "metrics.jsonl").stat().st_mtime_ns for r in RECIPES.split(",")}
+    assert "Trained in an earlier session" in out
+    # another config over the same runs is refused, not mixed in
+    code, _, err = cli(capsys, "compare", "--recipes", RECIPES, "--out", compared, *ARGS, "--train.lr", "2e-3")
+    assert code == 2 and "another config" in err and len(err.strip().splitlines()) == 1
+
+
+def test_compare_resumes_or_restarts_unfinished_runs(compared, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "out"
+    assert cli(capsys, "compare", "--recipes", RECIPES, "--out", out, *ARGS, "--train.stop_at", "3")[0] == 0
+    shutil.rmtree(out / "fp8-tensorwise" / "checkpoints")  # as if killed before its first checkpoint
+    (out / "fp8-tensorwise" / "summary.json").unlink()
+    code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, *ARGS)
+    assert code == 0 and "bf16: resuming" in text and "fp8-tensorwise: restarting" in text
+    for r in RECIPES.split(","):  # and both end where the uninterrupted runs did, bit for bit
+        assert losses(out / r) == losses(compared / r)
+
+
+def test_compare_bad_arguments_train_nothing(tmp_path, capsys):
+    for args, message in ((["--recipes", "bf16,fp9"], "'fp9' is not one of"),
+                          (["--recipes", "bf16,bf16"], "twice"),
+                          (["--recipes", "bf16", "--recipe", "fp4"], "--recipe is set by compare"),
+                          (["--recipes", "bf16", "--train.nope", "1"], "unknown config key")):
+        code, out, err = cli(capsys, "compare", *args, "--out", tmp_path / "out", *ARGS)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not (tmp_path / "out").exists() and "step" not in out
