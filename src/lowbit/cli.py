@@ -1,4 +1,5 @@
-"""`lowbit <command>`: train, prepare, generate, export-hf. User errors print one line and exit with status 2."""
+"""`lowbit <command>`: train, prepare, generate, export-hf, recipes, inspect, bench. User errors print one line
+and exit with status 2."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ commands:
   export-hf RUN_DIR OUT_DIR                       write a HF transformers LlamaForCausalLM directory
   recipes                                         list the numerics recipes
   inspect RUN_DIR                                 numerics telemetry: heatmaps and the worst layers
+  bench {gemm,linear,mlp,block,step,memory} [...]  bf16 vs lowbit recipes vs torchao float8: tables + JSON
 
 `lowbit <command> --help` lists a command's options."""
 
@@ -44,11 +46,15 @@ def _subcommand(name: str, argv: list[str]) -> int:
         from lowbit.tools.generate import add_args as add, run
     elif name == "inspect":
         from lowbit.tools.inspect import add_args as add, run
+    elif name == "bench":
+        from lowbit.tools.bench import add_args as add, run
     else:
         from lowbit.tools.export_hf import add_args as add, run
     parser = _Parser(prog=f"lowbit {name}")
     add(parser)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = [name, *argv]  # the command as given (`lowbit bench` prints it with its figures)
+    return run(args)
 
 
 def _recipes() -> int:
@@ -75,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             return _train(rest)
-        if command in ("prepare", "generate", "export-hf", "inspect"):
+        if command in ("prepare", "generate", "export-hf", "inspect", "bench"):
             return _subcommand(command, rest)
         if command == "recipes":
             return _recipes()
@@ -84,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
 
             print(__version__)
             return 0
-        raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf, recipes, inspect)")
+        raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf, recipes, inspect, bench)")
     except LowbitError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
         return 2
