@@ -87,3 +87,29 @@ def test_bench_unwritable_out(tmp_path, capsys):
     blocker.write_text("x")
     code, _, err = cli(capsys, "bench", "gemm", *FAST, *SHAPES["gemm"], "--out", blocker / "sub" / "o.json")
     assert code == 2 and "--out" in err and err.count("\n") == 1
+
+
+def test_bench_no_bf16_skips_the_baseline(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    code, _, _ = cli(capsys, "bench", "linear", *FAST, *SHAPES["linear"], "--no-bf16", "--torchao", "none",
+                     "--out", out)
+    assert code == 0
+    rows = json.loads(out.read_text())["tables"]["linear"]["rows"]
+    assert [r["variant"] for r in rows] == ["lowbit fp8-tensorwise"] and "speedup_vs_bf16" not in rows[0]
+
+
+def test_saved_bytes_keeps_no_graph_alive():
+    """The counting forward leaves no reference cycle: once closed, its saved activations are freed."""
+    import weakref
+
+    import torch
+
+    lin = torch.nn.Linear(8, 4)
+    counter = SavedBytes(lin)
+    with counter.hooks():
+        y = torch.relu(lin(torch.randn(3, 8, requires_grad=True)))
+        z = y * y
+    refs = [weakref.ref(t) for t in counter.kept.values()]
+    del y, z
+    counter.close()
+    assert len(refs) >= 2 and all(r() is None for r in refs)

@@ -33,6 +33,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--torchao", default="tensorwise",
                    help="torchao float8 recipes beside them (tensorwise, rowwise, rowwise_with_gw_hp; 'none' for "
                         "none); skipped with one line when torchao is not installed")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="skip the bf16 baseline (no ratios then: for a run that must fit a time limit)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
     p.add_argument("--steps", type=int, default=None, help="timed iterations (GPU 20, CPU 3); median reported")
     p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 1)")
@@ -86,7 +88,7 @@ def _resolve(a: argparse.Namespace, device) -> None:
             raise LowbitError(f"bench: --{key} must be at least 1")
     if a.warmup < 0:
         raise LowbitError("bench: --warmup must be 0 or more")
-    a.recipe_list = lowbit_recipes(a.recipes)
+    a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16)
     a.torchao_list = [] if a.what == "gemm" else torchao_recipes(a.torchao)
 
 

@@ -123,14 +123,15 @@ def maybe_compile(module, compiled: bool):
 
 # ---- variants of a module: bf16 (as built), each lowbit recipe, each torchao float8 recipe --------------------------
 
-def lowbit_recipes(names: str) -> list[str]:
-    """The lowbit recipes asked for, bf16 first (every ratio is to it); unknown names are a user error."""
+def lowbit_recipes(names: str, baseline: bool = True) -> list[str]:
+    """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
+    a user error."""
     from lowbit.recipes import get_recipe
 
     out = [n.strip() for n in names.split(",") if n.strip()]
     for n in out:
         get_recipe(n)
-    return ["bf16"] + [n for n in out if n != "bf16"]
+    return (["bf16"] if baseline else []) + [n for n in out if n != "bf16"]
 
 
 def torchao_recipes(names: str) -> list[str]:
@@ -159,7 +160,7 @@ class Variant:
 
 
 def variants(recipes: list[str], ao_recipes: list[str]) -> list[Variant]:
-    out = [Variant("bf16", "bf16", "bf16")]
+    out = [Variant("bf16", "bf16", "bf16")] if "bf16" in recipes else []
     out += [Variant(f"lowbit {r}", "lowbit", r) for r in recipes if r != "bf16"]
     out += [Variant(f"torchao {r}", "torchao", r) for r in ao_recipes]
     return out

@@ -43,6 +43,8 @@ def run_gemm(a, device: torch.device, report: Report) -> None:
         w = torch.randn(N, K, device=device, generator=g).to(torch.bfloat16)
         bf16_ms = None
         for variant, fn in _gemm_fns(x, w).items():
+            if variant == "bf16" and a.no_bf16:
+                continue
             row = {"shape": name, "variant": variant, "mkn": f"{M} x {K} x {N}", "M": M, "K": K, "N": N}
             try:
                 row.update(time_ms(fn, device, a.steps, a.warmup))

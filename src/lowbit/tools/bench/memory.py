@@ -26,11 +26,14 @@ def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 class SavedBytes:
-    """Counts the storages autograd saves while active (each once), by kind."""
+    """Counts the storages autograd saves while active (each once). For a forward that is never backpropagated:
+    the graph keeps nothing (a pack hook that returned the tensor itself would tie each saved output to its own
+    grad_fn, a reference cycle that leaks the whole graph); the counter holds the saved tensors instead, so their
+    memory is not reused (and miscounted) during the forward, until `close()`."""
 
     def __init__(self, model: nn.Module):
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.seen: set[int] = set()
+        self.kept: dict[int, torch.Tensor] = {}
         self.bytes = {"saved": 0, "params": 0}
 
     def pack(self, t: torch.Tensor):
@@ -39,14 +42,21 @@ class SavedBytes:
                 continue
             s = leaf.untyped_storage()
             ptr = s.data_ptr()
-            if ptr in self.seen or ptr == 0:
+            if ptr in self.kept or ptr == 0:
                 continue
-            self.seen.add(ptr)
+            self.kept[ptr] = leaf
             self.bytes["params" if ptr in self.params else "saved"] += s.nbytes()
-        return t
+        return None
+
+    @staticmethod
+    def unpack(_):
+        raise RuntimeError("lowbit bench: a forward counted by SavedBytes cannot be backpropagated")
 
     def hooks(self):
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
+
+    def close(self) -> None:
+        self.kept.clear()
 
 
 def run_memory(a, device: torch.device, report: Report) -> None:
@@ -72,6 +82,7 @@ def run_memory(a, device: torch.device, report: Report) -> None:
                     loss = model(x[:b], y[:b])
                 del loss
                 saved[b] = counter.bytes["saved"]
+                counter.close()
             act = (saved[a.batch] - saved[1]) * a.batch / (a.batch - 1) if a.batch > 1 else None
             row["saved_mib"] = saved[a.batch] / 2**20
             if act is not None:

@@ -4,10 +4,12 @@ MFU from the model's FLOPs/token, peak memory."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
-from lowbit.tools.bench.common import Report, Table, error_row, maybe_compile, release, time_ms, torchao_convert, \
-    variants
+from lowbit.tools.bench.common import (Report, Table, error_row, maybe_compile, release, sync, time_ms,
+                                       torchao_convert, variants)
 
 
 def build(preset: str, seq: int, vocab: int, v, device: torch.device):
@@ -68,7 +70,10 @@ def run_step(a, device: torch.device, report: Report) -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+            t0 = time.perf_counter()
             step()  # the first step compiles and allocates the optimizer states
+            sync(device)
+            row["first_step_s"] = time.perf_counter() - t0
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
                 torch.cuda.reset_peak_memory_stats(device)
