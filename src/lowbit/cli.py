@@ -1,5 +1,5 @@
-"""`lowbit <command>`: train, prepare, generate, export-hf, recipes, inspect, compare. User errors print one line
-and exit with status 2."""
+"""`lowbit <command>`: train, prepare, generate, export-hf, recipes, inspect, compare, bench. User errors print
+one line and exit with status 2."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ commands:
   inspect RUN_DIR                                 numerics telemetry: heatmaps and the worst layers
   compare --recipes A,B,... [--out DIR] [CONFIG.toml] [--section.key=value ...]
                                                   train under each recipe, then losses, gaps and telemetry side by side
+  bench {gemm,linear,mlp,block,step,memory} [...]  bf16 vs lowbit recipes vs torchao float8: tables + JSON
 
 `lowbit <command> --help` lists a command's options."""
 
@@ -50,6 +51,8 @@ def _subcommand(name: str, argv: list[str]) -> int:
         from lowbit.tools.inspect import add_args as add, run
     elif name == "compare":
         from lowbit.tools.compare import add_args as add, run
+    elif name == "bench":
+        from lowbit.tools.bench import add_args as add, run
     else:
         from lowbit.tools.export_hf import add_args as add, run
     parser = _Parser(prog=f"lowbit {name}")
@@ -58,7 +61,9 @@ def _subcommand(name: str, argv: list[str]) -> int:
         a, a.train = parser.parse_known_args(argv)
         a.command = shlex.join(["lowbit", name, *argv])
         return run(a)
-    return run(parser.parse_args(argv))
+    args = parser.parse_args(argv)
+    args.argv = [name, *argv]  # the command as given (`lowbit bench` prints it with its figures)
+    return run(args)
 
 
 def _recipes() -> int:
@@ -85,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if command == "train":
             return _train(rest)
-        if command in ("prepare", "generate", "export-hf", "inspect", "compare"):
+        if command in ("prepare", "generate", "export-hf", "inspect", "compare", "bench"):
             return _subcommand(command, rest)
         if command == "recipes":
             return _recipes()
@@ -95,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             print(__version__)
             return 0
         raise LowbitError(f"unknown command {command!r} (train, prepare, generate, export-hf, recipes, inspect, "
-                          "compare)")
+                          "compare, bench)")
     except LowbitError as e:
         print(f"lowbit: error: {e}", file=sys.stderr)
         return 2

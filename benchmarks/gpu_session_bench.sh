@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call for `lowbit bench` (issue 8): torchao from the carried wheel (.whl/, optional), then gemm, mlp
+# (with the quantization timing), memory and step at the GPU defaults (LLaMA-7B MLP at 16384 tokens, `1b` at
+# 8 x 2048). Each part has its own time limit; each writes its JSON after every row, so a part cut short keeps
+# what it measured. Output in $OUT (or ./out).
+set -uo pipefail
+OUT=${OUT:-out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=src
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src
+fi
+part() {  # part NAME SECONDS ARGS...: lowbit bench ARGS --out $OUT/bench_NAME.json, log in $OUT/bench_NAME.txt
+  local name=$1 secs=$2; shift 2
+  timeout "$secs" python3 -m lowbit bench "$@" --out "$OUT/bench_$name.json" 2>&1 | grep -v -E "^[WIE][0-9]{4}" \
+    > "$OUT/bench_$name.txt"
+  echo "== $name (exit ${PIPESTATUS[0]})"; grep -v '^{' "$OUT/bench_$name.txt" | tail -n 22
+}
+case "${1:-all}" in
+  all)  # the first call of 2026-11-30 (its step part ran out of time after the bf16 row)
+    part gemm "${GEMM_S:-45}" gemm
+    part mlp "${MLP_S:-170}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
+    part memory "${MEMORY_S:-80}" memory --eager --recipes bf16,fp8-tensorwise --torchao tensorwise
+    part step "${STEP_S:-270}" step --steps 10 --warmup 2 --recipes bf16,fp8-tensorwise,fp8lm-o2 --torchao tensorwise ;;
+  fp8step)  # the second: the fp8-tensorwise step alone (its compile needs over 190 s), then memory again
+    part step_fp8 "${STEP_S:-280}" step --steps 10 --warmup 2 --recipes fp8-tensorwise --no-bf16 --torchao none
+    part memory2 "${MEMORY_S:-45}" memory --eager --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
+esac

@@ -1,0 +1,118 @@
+"""`lowbit bench gemm | linear | mlp | block | step | memory`: bf16, lowbit's recipes and (where installed) torchao's
+float8 recipes measured in one process; each prints its tables with the device, torch version, date and command,
+and --out writes them as JSON with the same metadata.
+
+Defaults follow the device: on a GPU the shapes of the project's goals (LLaMA-7B MLP at 16384 tokens, the `1b`
+preset at batch 8 x 2048, compiled, CUDA-event medians); on the CPU tiny shapes, eager, a wall-clock timer (a smoke
+test, not a measurement worth quoting)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from lowbit.errors import LowbitError
+
+WHAT = {
+    "gemm": "torch._scaled_mm FP8 vs the bf16 matmul on the MLP's GEMM shapes",
+    "linear": "one linear layer fwd+bwd per recipe",
+    "mlp": "the SwiGLU MLP fwd+bwd per recipe, and per-tensor quantization",
+    "block": "one LLaMA block of a preset fwd+bwd per recipe",
+    "step": "a training step of a preset per recipe: tokens/s, MFU, peak memory",
+    "memory": "bytes saved for backward by a preset's forward per recipe, and peak memory",
+}
+
+# (GPU default, CPU default) of each shape option
+DEFAULTS = {"tokens": (16384, 256), "dim": (4096, 256), "hidden": (11008, 768), "preset": ("1b", "tiny"),
+            "batch": (8, 2), "seq": (2048, 64), "vocab": (32000, 512), "steps": (20, 3), "warmup": (5, 1)}
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--recipes", default="bf16,fp8-tensorwise",
+                   help="lowbit recipes, comma-separated (bf16 is always measured: ratios are to it)")
+    p.add_argument("--torchao", default="tensorwise",
+                   help="torchao float8 recipes beside them (tensorwise, rowwise, rowwise_with_gw_hp; 'none' for "
+                        "none); skipped with one line when torchao is not installed")
+    p.add_argument("--no-bf16", action="store_true",
+                   help="skip the bf16 baseline (no ratios then: for a run that must fit a time limit)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+    p.add_argument("--steps", type=int, default=None, help="timed iterations (GPU 20, CPU 3); median reported")
+    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 1)")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--compile", dest="compile", action="store_true", default=None,
+                      help="torch.compile the module (default on a GPU)")
+    mode.add_argument("--eager", dest="compile", action="store_false", help="no torch.compile (default on the CPU)")
+    p.add_argument("--out", default="", help="write the tables and metadata as JSON here")
+
+
+def _mlp_shape(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=None, help="rows of the input (GPU 16384, CPU 256)")
+    p.add_argument("--dim", type=int, default=None, help="model dimension (GPU 4096 = LLaMA-7B, CPU 256)")
+    p.add_argument("--hidden", type=int, default=None, help="MLP hidden width (GPU 11008 = LLaMA-7B, CPU 768)")
+
+
+def _preset_shape(p: argparse.ArgumentParser, vocab: bool) -> None:
+    p.add_argument("--preset", default=None, help="model preset (GPU 1b, CPU tiny)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (GPU 8, CPU 2)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (GPU 2048, CPU 64)")
+    if vocab:
+        p.add_argument("--vocab", type=int, default=None, help="vocabulary (GPU 32000, CPU 512; presets with a "
+                                                                  "fixed vocabulary keep theirs)")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="what", metavar="{" + ",".join(WHAT) + "}", parser_class=type(p))
+    sub.required = True
+    for what, text in WHAT.items():
+        s = sub.add_parser(what, help=text, description=text)
+        _common(s)
+        if what in ("gemm", "linear", "mlp"):
+            _mlp_shape(s)
+        else:
+            _preset_shape(s, vocab=what != "block")
+        if what == "mlp":
+            s.add_argument("--no-quantize", action="store_true", help="skip the quantization timing")
+
+
+def _resolve(a: argparse.Namespace, device) -> None:
+    from lowbit.tools.bench.common import lowbit_recipes, torchao_recipes
+
+    gpu = device.type == "cuda"
+    for key, (on_gpu, on_cpu) in DEFAULTS.items():
+        if hasattr(a, key) and getattr(a, key) is None:
+            setattr(a, key, on_gpu if gpu else on_cpu)
+    if a.compile is None:
+        a.compile = gpu
+    for key in ("steps", "tokens", "dim", "hidden", "batch", "seq", "vocab"):
+        if getattr(a, key, 1) is not None and getattr(a, key, 1) < 1:
+            raise LowbitError(f"bench: --{key} must be at least 1")
+    if a.warmup < 0:
+        raise LowbitError("bench: --warmup must be 0 or more")
+    a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16)
+    a.torchao_list = [] if a.what == "gemm" else torchao_recipes(a.torchao)
+
+
+def run(a: argparse.Namespace) -> int:
+    import torch
+
+    from lowbit.tools.bench.common import Report, metadata, resolve_device
+
+    device = resolve_device(a.device)
+    _resolve(a, device)
+    torch.manual_seed(0)
+    argv = getattr(a, "argv", None) or sys.argv[1:]
+    config = {k: v for k, v in vars(a).items() if k not in ("recipe_list", "torchao_list", "argv")}
+    report = Report(a.what, metadata(device, argv), config, a.out)
+    if a.what == "gemm":
+        from lowbit.tools.bench.kernels import run_gemm as fn
+    elif a.what in ("linear", "mlp", "block"):
+        from lowbit.tools.bench import layers
+
+        fn = getattr(layers, f"run_{a.what}")
+    elif a.what == "step":
+        from lowbit.tools.bench.step import run_step as fn
+    else:
+        from lowbit.tools.bench.memory import run_memory as fn
+    fn(a, device, report)
+    report.finish()
+    return 0

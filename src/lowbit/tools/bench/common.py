@@ -1,0 +1,253 @@
+"""What every `lowbit bench` measurement shares: the device, the metadata printed with each table, the timer, the
+variants (bf16, lowbit recipes, torchao float8 recipes) of a module, and the table/JSON output."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError
+
+# HBM bandwidth (bytes/s) for the memory floor of a pass over a tensor; matched against the device name.
+GPU_HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "B200": 8e12, "A100": 2.0e12}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda"):
+        raise LowbitError(f"bench: --device {name!r} is not one of auto, cpu, cuda")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise LowbitError("bench: --device cuda, but this torch sees no CUDA device")
+    return torch.device(name)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def torchao_module():
+    """torchao if it imports, else None."""
+    try:
+        import torchao  # noqa: F401
+        from torchao.float8 import convert_to_float8_training  # noqa: F401
+    except Exception:  # ImportError, or a torchao built for another torch
+        return None
+    return torchao
+
+
+def command_line(argv: list[str]) -> str:
+    """The command line that ran (sys.argv, `python -m lowbit` spelled out), or `lowbit ARGV` when the CLI was
+    called from Python with other arguments."""
+    if list(sys.argv[1:]) != list(argv):
+        return shlex.join(["lowbit", *argv])
+    full = list(sys.argv)
+    if full[0].endswith(os.path.join("lowbit", "__main__.py")):
+        full = [Path(sys.executable).name, "-m", "lowbit"] + full[1:]
+    return shlex.join(full)
+
+
+def metadata(device: torch.device, argv: list[str]) -> dict:
+    meta = {"device": device_name(device), "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command_line(argv)}
+    ao = torchao_module()
+    meta["torchao"] = getattr(ao, "__version__", "unknown") if ao else None
+    if device.type == "cuda":
+        meta["cuda"] = torch.version.cuda
+    return meta
+
+
+def meta_line(meta: dict) -> str:
+    ao = f" | torchao {meta['torchao']}" if meta.get("torchao") else ""
+    return f"{meta['device']} | torch {meta['torch']}{ao} | {meta['date']} | `{meta['command']}`"
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_ms(fn, device: torch.device, iters: int, warmup: int) -> dict:
+    """Median (and min) milliseconds of fn(): CUDA events on a GPU, a wall-clock timer on the CPU."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize(device)
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return {"ms": statistics.median(times), "ms_min": min(times), "iters": iters}
+
+
+def error_row(e: BaseException) -> dict:
+    if isinstance(e, torch.OutOfMemoryError):
+        return {"error": "out of memory"}
+    return {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"}
+
+
+def release(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    torch._dynamo.reset()
+
+
+def maybe_compile(module, compiled: bool):
+    return torch.compile(module) if compiled else module
+
+
+# ---- variants of a module: bf16 (as built), each lowbit recipe, each torchao float8 recipe --------------------------
+
+def lowbit_recipes(names: str, baseline: bool = True) -> list[str]:
+    """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
+    a user error."""
+    from lowbit.recipes import get_recipe
+
+    out = [n.strip() for n in names.split(",") if n.strip()]
+    for n in out:
+        get_recipe(n)
+    return (["bf16"] if baseline else []) + [n for n in out if n != "bf16"]
+
+
+def torchao_recipes(names: str) -> list[str]:
+    out = [n.strip() for n in names.split(",") if n.strip() and n.strip() != "none"]
+    for n in out:
+        if n not in ("tensorwise", "rowwise", "rowwise_with_gw_hp"):
+            raise LowbitError(f"bench: --torchao {n!r} is not one of tensorwise, rowwise, rowwise_with_gw_hp, none")
+    if out and torchao_module() is None:
+        print("torchao is not installed (or does not import with this torch): its rows are omitted", flush=True)
+        return []
+    return out
+
+
+def torchao_convert(module: nn.Module, recipe: str, skip: tuple[str, ...] = ("output",)) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe),
+                                      module_filter_fn=lambda m, fqn: fqn.split(".")[-1] not in skip)
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str  # as printed: bf16 | lowbit <recipe> | torchao <recipe>
+    impl: str  # bf16 | lowbit | torchao
+    recipe: str
+
+
+def variants(recipes: list[str], ao_recipes: list[str]) -> list[Variant]:
+    out = [Variant("bf16", "bf16", "bf16")] if "bf16" in recipes else []
+    out += [Variant(f"lowbit {r}", "lowbit", r) for r in recipes if r != "bf16"]
+    out += [Variant(f"torchao {r}", "torchao", r) for r in ao_recipes]
+    return out
+
+
+def apply_variant(base: nn.Module, v: Variant) -> nn.Module:
+    """A deep copy of `base` converted as `v` says (the base itself stays plain)."""
+    from lowbit.recipes import convert, get_recipe
+
+    m = copy.deepcopy(base)
+    if v.impl == "lowbit":
+        convert(m, get_recipe(v.recipe))
+    elif v.impl == "torchao":
+        m = torchao_convert(m, v.recipe)
+    return m
+
+
+def add_ratios(rows: list[dict], key: str = "ms", base: str = "bf16", out: str = "speedup_vs_bf16") -> None:
+    """row[out] = base row's key / row's key (a speed-up for times)."""
+    ref = next((r for r in rows if r.get("variant") == base and key in r), None)
+    for r in rows:
+        if ref and key in r and r[key]:
+            r[out] = ref[key] / r[key]
+
+
+# ---- output ----------------------------------------------------------------------------------------------------------
+
+@dataclass
+class Table:
+    name: str  # JSON key
+    title: str
+    columns: list[tuple[str, str, str]]  # (row key, header, format spec)
+    rows: list[dict] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def markdown(self) -> str:
+        lines = [f"| {self.title} | " + " | ".join(h for _, h, _ in self.columns[1:]) + " |",
+                 "|" + "---|" * len(self.columns)]
+        for r in self.rows:
+            first = str(r.get(self.columns[0][0], ""))
+            if "error" in r:
+                lines.append(f"| {first} | {r['error']} |" + " |" * (len(self.columns) - 2))
+                continue
+            cells = []
+            for key, _, fmt in self.columns[1:]:
+                v = r.get(key)
+                cells.append("" if v is None else format(v, fmt) if fmt else str(v))
+            lines.append(f"| {first} | " + " | ".join(cells) + " |")
+        return "\n".join(lines + [""] + self.notes)
+
+
+class Report:
+    """The tables of one `lowbit bench` run; the JSON file is rewritten after every row, so a run cut short by a
+    time limit still leaves what it measured (with "complete": false)."""
+
+    def __init__(self, what: str, meta: dict, config: dict, out: str):
+        self.what, self.meta, self.config, self.out = what, meta, config, out
+        self.tables: list[Table] = []
+        if out:
+            try:
+                Path(out).parent.mkdir(parents=True, exist_ok=True)
+                Path(out).open("a").close()
+            except OSError as e:
+                raise LowbitError(f"bench: --out {out}: cannot write ({e.strerror})") from None
+
+    def table(self, t: Table) -> Table:
+        self.tables.append(t)
+        return t
+
+    def row(self, t: Table, row: dict) -> None:
+        t.rows.append(row)
+        print(json.dumps({t.name: row}), flush=True)
+        self.save(complete=False)
+
+    def save(self, complete: bool) -> None:
+        if not self.out:
+            return
+        doc = {"meta": self.meta, "what": self.what, "config": self.config, "complete": complete,
+               "tables": {t.name: {"title": t.title, "rows": t.rows, "notes": t.notes} for t in self.tables}}
+        tmp = Path(self.out).with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1) + "\n")
+        os.replace(tmp, self.out)
+
+    def finish(self) -> None:
+        for t in self.tables:
+            print(f"\n{meta_line(self.meta)}\n")
+            print(t.markdown())
+        self.save(complete=True)
+        if self.out:
+            print(f"\nwrote {self.out}")

@@ -1,0 +1,96 @@
+"""`lowbit bench gemm`: torch._scaled_mm (FP8) against the bf16 matmul on the GEMM shapes of a SwiGLU MLP; and the
+per-tensor quantization timing that `lowbit bench mlp` prints beside its table."""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, Report, Table, error_row, time_ms
+
+
+def mlp_gemm_shapes(tokens: int, dim: int, hidden: int) -> list[tuple[str, int, int, int]]:
+    """(name, M, K, N) of out[M, N] = a[M, K] @ b[N, K]ᵀ for the 3 GEMMs of the MLP's two linear shapes."""
+    return [("w1/w3 fprop", tokens, dim, hidden), ("w1/w3 dgrad", tokens, hidden, dim),
+            ("w1/w3 wgrad", hidden, tokens, dim), ("w2 fprop", tokens, hidden, dim),
+            ("w2 dgrad", tokens, dim, hidden), ("w2 wgrad", dim, tokens, hidden)]
+
+
+def _gemm_fns(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """The variants of a @ bᵀ: bf16, and FP8 E4M3 x E4M3 through torch._scaled_mm (unit scales: the scale's value
+    does not change the kernel's time)."""
+    a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+    one = torch.ones((), device=a.device)
+    row_a, row_b = torch.ones(a.shape[0], 1, device=a.device), torch.ones(1, b.shape[0], device=a.device)
+
+    def scaled(sa, sb, fast):
+        return lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+
+    return {"bf16": lambda: a @ b.t(),
+            "fp8 tensorwise": scaled(one, one, False),
+            "fp8 tensorwise fast-accum": scaled(one, one, True),
+            "fp8 rowwise fast-accum": scaled(row_a, row_b, True)}
+
+
+def run_gemm(a, device: torch.device, report: Report) -> None:
+    t = report.table(Table("gemm", f"GEMM ({a.tokens} tokens, dim {a.dim}, hidden {a.hidden})",
+                           [("shape", "shape", ""), ("variant", "variant", ""), ("mkn", "M x K x N", ""),
+                            ("ms", "ms (median)", ".3f"), ("tflops", "TFLOP/s", ".1f"),
+                            ("speedup_vs_bf16", "vs bf16", ".2f")]))
+    g = torch.Generator(device=device).manual_seed(0)
+    for name, M, K, N in mlp_gemm_shapes(a.tokens, a.dim, a.hidden):
+        x = torch.randn(M, K, device=device, generator=g).to(torch.bfloat16)
+        w = torch.randn(N, K, device=device, generator=g).to(torch.bfloat16)
+        bf16_ms = None
+        for variant, fn in _gemm_fns(x, w).items():
+            if variant == "bf16" and a.no_bf16:
+                continue
+            row = {"shape": name, "variant": variant, "mkn": f"{M} x {K} x {N}", "M": M, "K": K, "N": N}
+            try:
+                row.update(time_ms(fn, device, a.steps, a.warmup))
+                row["tflops"] = 2 * M * K * N / row["ms"] / 1e9
+                if variant == "bf16":
+                    bf16_ms = row["ms"]
+                elif bf16_ms:
+                    row["speedup_vs_bf16"] = bf16_ms / row["ms"]
+            except Exception as e:  # a combination this device lacks is a result too
+                row.update(error_row(e))
+            report.row(t, row)
+        del x, w
+    t.notes.append("E4M3 x E4M3 -> bf16 out; fast-accum skips the periodic fp32 promotion of partial sums (Hopper).")
+
+
+def run_quantize(a, device: torch.device, report: Report) -> None:
+    """Per-tensor E4M3 quantization (amax, scale, cast) of a tokens x dim bf16 tensor: lowbit's `quantize` and the
+    plain formula, each compiled unless --eager, against the memory floor (read 2 bytes, write 1 per element)."""
+    from lowbit.qtensor import quantize
+    from lowbit.scaling import Scaling
+
+    t = report.table(Table("quantize", f"per-tensor E4M3 quantization, {a.tokens} x {a.dim} bf16",
+                           [("variant", "variant", ""), ("ms", "ms (median)", ".4f"), ("gb_s", "GB/s", ".0f")]))
+    v = torch.randn(a.tokens, a.dim, device=device).to(torch.bfloat16)
+    spec = Scaling("e4m3")
+
+    def plain(x):
+        scale = 448.0 / x.abs().amax().float().clamp(min=1e-12)
+        return (x.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn), scale.reciprocal()
+
+    def lowbit_q(x):
+        q = quantize(x, spec)
+        return q.data, q.scale_inv
+
+    nbytes = v.numel() * 3
+    for name, fn in (("lowbit quantize", lowbit_q), ("plain formula", plain)):
+        f = torch.compile(fn) if a.compile else fn
+        row = {"variant": name + (" (compiled)" if a.compile else " (eager)")}
+        try:
+            row.update(time_ms(lambda: f(v), device, max(a.steps, 50) if device.type == "cuda" else a.steps,
+                               a.warmup))
+            row["gb_s"] = nbytes / row["ms"] / 1e6
+        except Exception as e:
+            row.update(error_row(e))
+        report.row(t, row)
+    bw = next((b for k, b in GPU_HBM_BYTES_PER_S.items() if k in report.meta["device"]), None)
+    if bw:
+        floor = nbytes / bw * 1e3
+        report.row(t, {"variant": "memory floor (one pass)", "ms": floor, "gb_s": bw / 1e9})

@@ -1,0 +1,102 @@
+"""`lowbit bench step`: a whole training step of a preset (forward, loss, backward, gradient clipping, optimizer) per
+recipe, as the trainer runs it: LowbitAdamW with the recipe's state precision, bf16 autocast on a GPU; tokens/s,
+MFU from the model's FLOPs/token, peak memory."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lowbit.tools.bench.common import (Report, Table, error_row, maybe_compile, release, sync, time_ms,
+                                       torchao_convert, variants)
+
+
+def build(preset: str, seq: int, vocab: int, v, device: torch.device):
+    """Model (converted as the variant says) and the trainer's optimizer for it."""
+    from lowbit.models.llama import Llama
+    from lowbit.recipes import convert, get_recipe
+    from lowbit.tools.bench.layers import preset_args
+    from lowbit.train.config import load_config, optim_precision
+    from lowbit.train.trainer import build_optimizer
+
+    recipe_name = v.recipe if v.impl == "lowbit" else "bf16"
+    cfg = load_config(None, ["--recipe", recipe_name])
+    torch.manual_seed(0)
+    model = Llama(preset_args(preset, seq, vocab)).to(device)
+    recipe = get_recipe(recipe_name)
+    convert(model, recipe)
+    if v.impl == "torchao":
+        model = torchao_convert(model, v.recipe)
+    return model, build_optimizer(model, recipe, optim_precision(cfg), cfg)
+
+
+def batch(b: int, seq: int, vocab: int, device: torch.device):
+    g = torch.Generator(device=device).manual_seed(0)
+    x = torch.randint(0, vocab, (b, seq + 1), device=device, generator=g)
+    return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def autocast(device: torch.device):
+    """bf16 autocast on a GPU (the trainer's default there); fp32 on the CPU (its default there)."""
+    if device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return torch.autocast("cpu", enabled=False)
+
+
+def run_step(a, device: torch.device, report: Report) -> None:
+    from lowbit.train.metrics import gpu_peak_flops
+
+    peak = gpu_peak_flops(device)
+    mode = "compiled" if a.compile else "eager"
+    t = report.table(Table("step", f"training step `{a.preset}`, {a.batch} x {a.seq}, {mode}",
+                           [("variant", "variant", ""), ("ms", "ms/step (median)", ".1f"),
+                            ("tokens_per_s", "tokens/s", ",.0f"), ("mfu_pct", "MFU %", ".1f"),
+                            ("speedup_vs_bf16", "vs bf16", ".3f"), ("vs_fp8_tensorwise", "ms vs fp8-tensorwise", ".3f"),
+                            ("peak_mem_gib", "peak GiB", ".2f")]))
+    x, y = batch(a.batch, a.seq, a.vocab, device)
+    for v in variants(a.recipe_list, a.torchao_list):
+        row = {"variant": v.name}
+        model = opt = None
+        try:
+            model, opt = build(a.preset, a.seq, a.vocab, v, device)
+            fwd = maybe_compile(model, a.compile)
+
+            def step():
+                with autocast(device):
+                    loss = fwd(x, y)
+                loss.backward()
+                opt.clip_grad_norm_(1.0)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+
+            t0 = time.perf_counter()
+            step()  # the first step compiles and allocates the optimizer states
+            sync(device)
+            row["first_step_s"] = time.perf_counter() - t0
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+                torch.cuda.reset_peak_memory_stats(device)
+            row.update(time_ms(step, device, a.steps, a.warmup))
+            flops = model.flops_per_token(a.seq)
+            row["tokens_per_s"] = a.batch * a.seq / (row["ms"] / 1e3)
+            row["flops_per_token"] = flops
+            row["mfu_pct"] = 100 * row["tokens_per_s"] * flops / peak if peak else None
+            if device.type == "cuda":
+                row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        except Exception as e:
+            row.update(error_row(e))
+        finally:
+            model = opt = fwd = None
+            release(device)
+        report.row(t, row)
+    ref = {r["variant"]: r["ms"] for r in t.rows if "ms" in r}
+    for r in t.rows:
+        if "ms" in r:
+            if "bf16" in ref:
+                r["speedup_vs_bf16"] = ref["bf16"] / r["ms"]
+            if "lowbit fp8-tensorwise" in ref:
+                r["vs_fp8_tensorwise"] = r["ms"] / ref["lowbit fp8-tensorwise"]
+    if peak:
+        t.notes.append(f"MFU against {peak / 1e12:.0f} TFLOP/s dense BF16; FLOPs/token from Llama.flops_per_token.")
+    report.save(complete=False)

@@ -1,0 +1,115 @@
+"""`lowbit bench`: every subcommand runs on the CPU at tiny shapes, prints its tables with the metadata, and writes
+JSON with the metadata and a row for bf16 and for an FP8 recipe."""
+
+import json
+
+import pytest
+
+from conftest import cli
+from lowbit.tools.bench.common import torchao_module
+from lowbit.tools.bench.kernels import mlp_gemm_shapes
+from lowbit.tools.bench.memory import SavedBytes
+
+FAST = ["--device", "cpu", "--steps", "1", "--warmup", "0"]
+SHAPES = {
+    "gemm": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
+    "linear": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
+    "mlp": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
+    "block": ["--preset", "tiny", "--batch", "2", "--seq", "16"],
+    "step": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
+    "memory": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
+}
+TABLE = {"gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory"}
+
+
+@pytest.mark.parametrize("what", list(SHAPES))
+def test_bench_subcommand(what, tmp_path, capsys):
+    out = tmp_path / f"{what}.json"
+    code, stdout, _ = cli(capsys, "bench", what, *FAST, *SHAPES[what], "--out", out)
+    assert code == 0
+    doc = json.loads(out.read_text())
+    meta = doc["meta"]
+    for key in ("device", "torch", "date", "command", "torchao"):
+        assert key in meta
+    assert doc["complete"] is True and doc["what"] == what
+    assert f"torch {meta['torch']}" in stdout and meta["date"] in stdout and "bench " + what in meta["command"]
+    rows = doc["tables"][TABLE[what]]["rows"]
+    assert all("error" not in r for r in rows), rows
+    names = {r["variant"] for r in rows}
+    if what == "gemm":
+        assert {"bf16", "fp8 tensorwise"} <= names
+        assert len(rows) == 4 * len(mlp_gemm_shapes(32, 32, 64))
+    else:
+        assert {"bf16", "lowbit fp8-tensorwise"} <= names
+    if what != "gemm" and torchao_module() is None:
+        assert "torchao is not installed" in stdout
+    if what in ("gemm", "linear", "mlp", "block", "step"):
+        assert all(r["ms"] > 0 for r in rows if r["variant"] != "memory floor (one pass)")
+    if what == "mlp":
+        assert {r["variant"] for r in doc["tables"]["quantize"]["rows"]} >= {"lowbit quantize (eager)",
+                                                                                "plain formula (eager)"}
+    if what == "step":
+        assert all(r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 for r in rows)
+    if what == "memory":
+        bf16 = next(r for r in rows if r["variant"] == "bf16")
+        assert bf16["activations_mib"] > 0 and bf16["activations_vs_bf16"] == 1.0
+
+
+def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
+    import torch
+
+    lin = torch.nn.Linear(8, 4)
+    counter = SavedBytes(lin)
+    x = torch.randn(3, 8, requires_grad=True)
+    with counter.hooks():
+        y = torch.relu(lin(x))
+        (y * y).sum()
+    assert counter.bytes["params"] == 8 * 4 * 4  # the weight, once
+    assert counter.bytes["saved"] == 3 * 8 * 4 + 3 * 4 * 4  # x, and y (saved 3 times, counted once)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["nope"], "invalid choice"),
+    ([], "required"),
+    (["mlp", "--recipes", "fp9"], "fp9"),
+    (["mlp", "--torchao", "columnwise"], "columnwise"),
+    (["step", "--steps", "0"], "--steps"),
+    (["gemm", "--device", "tpu"], "tpu"),
+])
+def test_bench_user_errors_are_one_line(args, needle, capsys):
+    code, _, err = cli(capsys, "bench", *args)
+    assert code == 2
+    assert err.count("\n") == 1 and needle in err and "Traceback" not in err
+
+
+def test_bench_unwritable_out(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    code, _, err = cli(capsys, "bench", "gemm", *FAST, *SHAPES["gemm"], "--out", blocker / "sub" / "o.json")
+    assert code == 2 and "--out" in err and err.count("\n") == 1
+
+
+def test_bench_no_bf16_skips_the_baseline(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    code, _, _ = cli(capsys, "bench", "linear", *FAST, *SHAPES["linear"], "--no-bf16", "--torchao", "none",
+                     "--out", out)
+    assert code == 0
+    rows = json.loads(out.read_text())["tables"]["linear"]["rows"]
+    assert [r["variant"] for r in rows] == ["lowbit fp8-tensorwise"] and "speedup_vs_bf16" not in rows[0]
+
+
+def test_saved_bytes_keeps_no_graph_alive():
+    """The counting forward leaves no reference cycle: once closed, its saved activations are freed."""
+    import weakref
+
+    import torch
+
+    lin = torch.nn.Linear(8, 4)
+    counter = SavedBytes(lin)
+    with counter.hooks():
+        y = torch.relu(lin(torch.randn(3, 8, requires_grad=True)))
+        z = y * y
+    refs = [weakref.ref(t) for t in counter.kept.values()]
+    del y, z
+    counter.close()
+    assert len(refs) >= 2 and all(r() is None for r in refs)
