@@ -6,6 +6,8 @@
 #                                    tp2+sp fp8 run and a dp2 zero1 fp8-exchange run against the one-GPU run
 #   bash benchmarks/multi_gpu.sh c   follow-ups: tp2 bf16, the one-GPU fp8-tensorwise 1b reference, a ZeRO-1 run
 #                                    that writes its checkpoint, GPipe
+#   bash benchmarks/multi_gpu.sh d   the rewritten gradient exchange in training (dp2 bf16/fp8), FSDP2 dp_shard2
+#                                    bf16 and fp8-tensorwise (one writes its DCP checkpoint)
 # Env: SRC (lowbit sources, default .gpu10/src), DATA (a prepared dataset dir), OUT (results), BUDGET_S (seconds
 # this part may take), SMOKE=1 (CPU, gloo, tiny shapes: checks the script itself).
 # Each sub-run's summary is appended to $OUT/results.jsonl as soon as it ends (multi_gpu_report.py collect).
@@ -124,6 +126,14 @@ case "${1:-a}" in
     sub ref1_1b_fp8tw 55 1 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --recipe=fp8-tensorwise --train.micro_batch_size=8
     sub dp2z1_125m_ckpt 45 2 -- --model.preset=125m --data.seq_len=512 --train.batch_size=16 --train.steps=20 --recipe=fp8-tensorwise --parallel.dp=2 --parallel.zero=1 --parallel.grad_sync=fp8
     sub pp2_1b_gpipe_m8 50 2 BENCH_BUBBLE=1 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --parallel.pp=2 --parallel.pp_schedule=gpipe --train.micro_batch_size=2
+    ;;
+  d)
+    # session 5: the rewritten gradient exchange inside training (against part a's dp2 runs), and FSDP2
+    # (parallel.dp_shard) against the one-GPU and dp2 runs of part a; one FSDP run writes its DCP checkpoint
+    sub dp2_1b_bf16sync_v2 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=20 --parallel.dp=2 --parallel.grad_sync=bf16
+    sub dp2_1b_fp8sync_v2 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=20 --parallel.dp=2 --parallel.grad_sync=fp8
+    sub fsdp2_1b_bf16 120 2 -- "${B1[@]}" --train.steps=20 --parallel.dp_shard=2 --parallel.grad_sync=bf16
+    sub fsdp2_1b_fp8tw 80 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --recipe=fp8-tensorwise --parallel.dp_shard=2 --parallel.grad_sync=bf16
     ;;
 esac
 $PY "$HERE/multi_gpu_report.py" report "$OUT/results.jsonl" | tee "$OUT/table.md"
