@@ -36,9 +36,11 @@ def _train(argv: list[str]) -> int:
     if argv and not argv[0].startswith("--"):
         path, argv = argv[0], argv[1:]
     cfg = load_config(path, argv)
+    from lowbit.distributed.mesh import shutdown
     from lowbit.train.trainer import train
 
     train(cfg)
+    shutdown()  # only on success: after an error the other ranks may still be inside a collective
     return 0
 
 

@@ -132,12 +132,25 @@ def init_mesh(parallel, device: torch.device) -> Mesh:
         return single()
     from torch.distributed.device_mesh import init_device_mesh
 
+    global _OWN_GROUP
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=parallel.timeout_s),
                                 **({"device_id": device} if device.type == "cuda" else {}))
+        _OWN_GROUP = True
     mesh = init_device_mesh(device.type, tuple(sizes[d] for d in DIMS), mesh_dim_names=DIMS)
     return Mesh(sizes, {d: mesh.get_local_rank(d) for d in DIMS}, mesh)
+
+
+_OWN_GROUP = False  # whether init_mesh started the process group (a caller's own group is left to the caller)
+
+
+def shutdown() -> None:
+    """End the process group init_mesh started, after a run that finished on every rank (NCCL warns otherwise)."""
+    global _OWN_GROUP
+    if _OWN_GROUP and dist.is_initialized():
+        dist.destroy_process_group()
+    _OWN_GROUP = False
 
 
 def local_device(requested: torch.device) -> torch.device:
