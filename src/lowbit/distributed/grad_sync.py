@@ -48,7 +48,7 @@ def _is_pow2(x: float) -> bool:
     return x > 0 and m == 0.5
 
 
-# ---- fused elementwise steps (CUDA, torch.compile), each the same bits as its eager twin below ----
+# ---- fused elementwise steps (CUDA, torch.compile), each the same bits as its eager twin above ----
 def _quant_eager(x, s, fmax, dtype):
     return (x * s).clamp_(-fmax, fmax).to(dtype)
 
@@ -93,16 +93,14 @@ class _Layout:
     """Where every bucket of the flat gradient comes from: pieces (slot, start, end, offset in bucket), the chunk
     size C and, per bucket, which tensor owns each chunk."""
 
-    def __init__(self, numels: list[int], world: int, device):
+    def __init__(self, numels: list[int], world: int, device, owners: bool):
         self.numels = numels
         self.total = total = sum(numels)
         c = BUCKET
         for n in numels:
             c = math.gcd(c, n) if n else c
         c = math.gcd(c, total) if total else 1
-        while c > MAX_CHUNK:
-            c //= 2
-        self.chunk = max(c, 1)
+        self.chunk = max(math.gcd(c, MAX_CHUNK), 1)  # still divides every size (MAX_CHUNK is a power of two)
         offsets = [0]
         for n in numels:
             offsets.append(offsets[-1] + n)
@@ -119,10 +117,12 @@ class _Layout:
                 if b > a:
                     pieces.append((j, a - offsets[j], b - offsets[j], a - start))
                 j += 1
-            owner = torch.repeat_interleave(torch.tensor([p[0] for p in pieces], dtype=torch.long),
-                                            torch.tensor([(p[2] - p[1]) // self.chunk for p in pieces]))
+            owner = None  # only the fp8 path scales per tensor
+            if owners:
+                owner = torch.repeat_interleave(torch.tensor([p[0] for p in pieces], dtype=torch.int32),
+                                                torch.tensor([(p[2] - p[1]) // self.chunk for p in pieces])).to(device)
             numel = end - start
-            self.buckets.append((numel, (-numel) % world, pieces, owner.to(device)))
+            self.buckets.append((numel, (-numel) % world, pieces, owner))
 
 
 class GradSync:
@@ -183,7 +183,7 @@ class GradSync:
         numels = [s.numel() for s in flat_srcs]
         device = flat_srcs[0].device if flat_srcs else torch.device("cpu")
         if self._layout is None or self._layout.numels != numels:
-            self._layout = _Layout(numels, self.world, device)
+            self._layout = _Layout(numels, self.world, device, owners=self.mode == "fp8")
         lay = self._layout
         if self.mode == "fp8":
             bad = self._sync_fp8(lay, flat_srcs, outs, device)
