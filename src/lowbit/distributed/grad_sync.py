@@ -3,7 +3,8 @@
     fp32  all-reduce in fp32 (the reference)
     bf16  all-reduce in bf16 (half the bytes; the sum is rounded to bf16 as it goes)
     fp8   FP8-LM's exchange without summing in FP8: one shared scale per gradient tensor (from its global amax,
-          one all-reduce MAX for all tensors), the gradients cast to FP8 under it (pre-, post- or automatic scaling, as `optim.grad_scaling.fp8_sum`),
+          one all-reduce MAX for all tensors), the gradients cast to FP8 under it (pre-, post- or automatic
+          scaling, as `optim.grad_scaling.fp8_sum`),
           a reduce-scatter built from an all-to-all of the FP8 bytes with the sum of each shard taken in fp32,
           the shard sums cast back to FP8 under the same scale (post scaling may saturate here: what auto
           scaling's mu watches), and an all-gather of those bytes. 2·(N−1)/N bytes per gradient element on the

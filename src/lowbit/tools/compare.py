@@ -22,7 +22,7 @@ from lowbit.errors import LowbitError
 
 LAST_N = 10  # the final training loss is the mean of the last LAST_N steps: one batch's loss is noisy
 # Keys that may differ between the config a run was started with and the one that continues it.
-CONTINUATION_KEYS = ("run.resume", "train.stop_at")
+CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir")  # may differ between the sessions of one run
 SAY = {"train": "training in", "skip": "skipped, finished run in", "resume": "resuming", "restart":
        "restarting (stopped before its first checkpoint)"}
 
@@ -99,6 +99,7 @@ def run_one(cfg, action: str) -> None:
     gc.collect()  # the next run should not share the device with this one's tensors
     import torch
 
+    torch._dynamo.reset()  # another recipe's graphs would count against the recompile limit (--train.compile)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
@@ -111,7 +112,8 @@ def read_run(run_dir: Path, low_precision: bool) -> dict:
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     last = [v for _, v in train[-LAST_N:]]
-    out = {"run_dir": str(run_dir), "steps": max((r["step"] for r in records if "loss" in r), default=0), "train": train, "val": val,
+    reached = max((r["step"] for r in records if "loss" in r), default=0)  # a step with a non-finite loss counts
+    out = {"run_dir": str(run_dir), "steps": reached, "train": train, "val": val,
            "train_loss": sum(last) / len(last) if last else None, "val_loss": val[-1][1] if val else None,
            "tokens_per_s": statistics.median(tps) if tps else None, "underflow": None, "saturated": None}
     if low_precision:
