@@ -25,7 +25,8 @@ TABLE = {"gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "st
 @pytest.mark.parametrize("what", list(SHAPES))
 def test_bench_subcommand(what, tmp_path, capsys):
     out = tmp_path / f"{what}.json"
-    code, stdout, _ = cli(capsys, "bench", what, *FAST, *SHAPES[what], "--out", out)
+    fast = FAST[:2] if what == "memory" else FAST  # memory times nothing: it has no --steps/--warmup
+    code, stdout, _ = cli(capsys, "bench", what, *fast, *SHAPES[what], "--out", out)
     assert code == 0
     doc = json.loads(out.read_text())
     meta = doc["meta"]
@@ -52,7 +53,9 @@ def test_bench_subcommand(what, tmp_path, capsys):
         assert all(r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 for r in rows)
     if what == "memory":
         bf16 = next(r for r in rows if r["variant"] == "bf16")
-        assert bf16["activations_mib"] > 0 and bf16["activations_vs_bf16"] == 1.0
+        fp8 = next(r for r in rows if r["variant"] == "lowbit fp8-tensorwise")
+        assert 0 < fp8["activations_mib"] < bf16["activations_mib"]  # FP8 saves its GEMM inputs in 1 byte
+        assert fp8["activations_vs_bf16"] == pytest.approx(fp8["activations_mib"] / bf16["activations_mib"])
 
 
 def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
@@ -75,6 +78,12 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     (["mlp", "--torchao", "columnwise"], "columnwise"),
     (["step", "--steps", "0"], "--steps"),
     (["gemm", "--device", "tpu"], "tpu"),
+    (["gemm", "--recipes", "bf16"], "--recipes"),  # options a subcommand does not read are refused
+    (["gemm", "--eager"], "--eager"),
+    (["memory", "--steps", "3"], "--steps"),
+    (["step", "--preset", "13b"], "13b"),
+    (["memory", "--preset", "1b", "--vocab", "50000"], "--vocab"),
+    (["block", "--preset", "13b"], "13b"),
 ])
 def test_bench_user_errors_are_one_line(args, needle, capsys):
     code, _, err = cli(capsys, "bench", *args)
@@ -87,6 +96,17 @@ def test_bench_unwritable_out(tmp_path, capsys):
     blocker.write_text("x")
     code, _, err = cli(capsys, "bench", "gemm", *FAST, *SHAPES["gemm"], "--out", blocker / "sub" / "o.json")
     assert code == 2 and "--out" in err and err.count("\n") == 1
+
+
+def test_bench_out_is_valid_json_from_the_start_and_absent_after_bad_input(tmp_path, capsys):
+    from lowbit.tools.bench.common import Report
+
+    out = tmp_path / "o.json"
+    code, _, _ = cli(capsys, "bench", "step", "--preset", "13b", "--out", out)
+    assert code == 2 and not out.exists()
+    Report("gemm", {"device": "cpu"}, {}, str(out))
+    doc = json.loads(out.read_text())
+    assert doc["complete"] is False and doc["tables"] == {} and doc["meta"] == {"device": "cpu"}
 
 
 def test_bench_no_bf16_skips_the_baseline(tmp_path, capsys):

@@ -27,21 +27,30 @@ DEFAULTS = {"tokens": (16384, 256), "dim": (4096, 256), "hidden": (11008, 768), 
             "batch": (8, 2), "seq": (2048, 64), "vocab": (32000, 512), "steps": (20, 3), "warmup": (5, 1)}
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--recipes", default="bf16,fp8-tensorwise",
-                   help="lowbit recipes, comma-separated (bf16 is always measured: ratios are to it)")
-    p.add_argument("--torchao", default="tensorwise",
-                   help="torchao float8 recipes beside them (tensorwise, rowwise, rowwise_with_gw_hp; 'none' for "
-                        "none); skipped with one line when torchao is not installed")
+def _common(p: argparse.ArgumentParser, what: str) -> None:
+    """The options `what` reads, and no others (gemm times fixed kernels: no recipes, nothing to compile; memory
+    counts one forward: nothing to time)."""
+    if what != "gemm":
+        p.add_argument("--recipes", default="bf16,fp8-tensorwise",
+                       help="lowbit recipes, comma-separated (bf16 is measured first unless --no-bf16: ratios are "
+                            "to it)")
+        p.add_argument("--torchao", default="tensorwise",
+                       help="torchao float8 recipes beside them (tensorwise, rowwise, rowwise_with_gw_hp; 'none' for "
+                            "none); skipped with one line when torchao is not installed")
     p.add_argument("--no-bf16", action="store_true",
                    help="skip the bf16 baseline (no ratios then: for a run that must fit a time limit)")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--steps", type=int, default=None, help="timed iterations (GPU 20, CPU 3); median reported")
-    p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 1)")
-    mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--compile", dest="compile", action="store_true", default=None,
-                      help="torch.compile the module (default on a GPU)")
-    mode.add_argument("--eager", dest="compile", action="store_false", help="no torch.compile (default on the CPU)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    if what != "memory":
+        quantize = " (50 for the quantization timing: its kernels take microseconds)" if what == "mlp" else ""
+        p.add_argument("--steps", type=int, default=None,
+                       help=f"timed iterations (GPU 20{quantize}, CPU 3); median reported")
+        p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 1)")
+    if what != "gemm":
+        mode = p.add_mutually_exclusive_group()
+        mode.add_argument("--compile", dest="compile", action="store_true", default=None,
+                          help="torch.compile the module (default on a GPU)")
+        mode.add_argument("--eager", dest="compile", action="store_false",
+                          help="no torch.compile (default on the CPU)")
     p.add_argument("--out", default="", help="write the tables and metadata as JSON here")
 
 
@@ -65,7 +74,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     sub.required = True
     for what, text in WHAT.items():
         s = sub.add_parser(what, help=text, description=text)
-        _common(s)
+        _common(s, what)
         if what in ("gemm", "linear", "mlp"):
             _mlp_shape(s)
         else:
@@ -75,21 +84,28 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def _resolve(a: argparse.Namespace, device) -> None:
+    """Defaults for the device, and every check of the input, before anything is measured or written."""
     from lowbit.tools.bench.common import lowbit_recipes, torchao_recipes
+    from lowbit.tools.bench.layers import preset_args
 
     gpu = device.type == "cuda"
+    if a.what == "mlp":  # quantization kernels take microseconds: more iterations for a stable median, unless asked
+        a.quantize_steps = a.steps if a.steps is not None else 50 if gpu else DEFAULTS["steps"][1]
     for key, (on_gpu, on_cpu) in DEFAULTS.items():
         if hasattr(a, key) and getattr(a, key) is None:
             setattr(a, key, on_gpu if gpu else on_cpu)
-    if a.compile is None:
+    if getattr(a, "compile", False) is None:
         a.compile = gpu
     for key in ("steps", "tokens", "dim", "hidden", "batch", "seq", "vocab"):
-        if getattr(a, key, 1) is not None and getattr(a, key, 1) < 1:
+        if getattr(a, key, 1) < 1:
             raise LowbitError(f"bench: --{key} must be at least 1")
-    if a.warmup < 0:
+    if getattr(a, "warmup", 0) < 0:
         raise LowbitError("bench: --warmup must be 0 or more")
-    a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16)
-    a.torchao_list = [] if a.what == "gemm" else torchao_recipes(a.torchao)
+    if a.what in ("block", "step", "memory"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
+        a.model_args = preset_args(a.preset, a.seq, getattr(a, "vocab", 32000))
+    if a.what != "gemm":
+        a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16)
+        a.torchao_list = torchao_recipes(a.torchao)
 
 
 def run(a: argparse.Namespace) -> int:
@@ -98,10 +114,12 @@ def run(a: argparse.Namespace) -> int:
     from lowbit.tools.bench.common import Report, metadata, resolve_device
 
     device = resolve_device(a.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # CUDA events and autocast follow the current device: make it --device
     _resolve(a, device)
     torch.manual_seed(0)
     argv = getattr(a, "argv", None) or sys.argv[1:]
-    config = {k: v for k, v in vars(a).items() if k not in ("recipe_list", "torchao_list", "argv")}
+    config = {k: v for k, v in vars(a).items() if k not in ("recipe_list", "torchao_list", "model_args", "argv")}
     report = Report(a.what, metadata(device, argv), config, a.out)
     if a.what == "gemm":
         from lowbit.tools.bench.kernels import run_gemm as fn

@@ -26,13 +26,13 @@ GPU_HBM_BYTES_PER_S = {"H100": 3.35e12, "H200": 4.8e12, "B200": 8e12, "A100": 2.
 
 
 def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda"):
-        raise LowbitError(f"bench: --device {name!r} is not one of auto, cpu, cuda")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise LowbitError("bench: --device cuda, but this torch sees no CUDA device")
-    return torch.device(name)
+    """The trainer's resolve_device (auto, cpu, cuda, cuda:N), its messages naming bench's option."""
+    from lowbit.train.trainer import resolve_device as resolve
+
+    try:
+        return resolve(name)
+    except LowbitError as e:
+        raise LowbitError(str(e).replace("run.device: ", "bench: --device ", 1)) from None
 
 
 def device_name(device: torch.device) -> str:
@@ -213,18 +213,18 @@ class Table:
 
 
 class Report:
-    """The tables of one `lowbit bench` run; the JSON file is rewritten after every row, so a run cut short by a
-    time limit still leaves what it measured (with "complete": false)."""
+    """The tables of one `lowbit bench` run; the JSON file is written when the run starts and rewritten after every
+    row, so a run cut short by a time limit still leaves what it measured (with "complete": false)."""
 
     def __init__(self, what: str, meta: dict, config: dict, out: str):
         self.what, self.meta, self.config, self.out = what, meta, config, out
         self.tables: list[Table] = []
-        if out:
-            try:
+        try:  # valid JSON (metadata, no rows yet) at once: an unwritable --out fails before the measuring
+            if out:
                 Path(out).parent.mkdir(parents=True, exist_ok=True)
-                Path(out).open("a").close()
-            except OSError as e:
-                raise LowbitError(f"bench: --out {out}: cannot write ({e.strerror})") from None
+            self.save(complete=False)
+        except OSError as e:
+            raise LowbitError(f"bench: --out {out}: cannot write ({e.strerror})") from None
 
     def table(self, t: Table) -> Table:
         self.tables.append(t)

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lowbit.errors import LowbitError
 from lowbit.tools.bench.common import (Report, Table, add_ratios, apply_variant, error_row, maybe_compile, release,
                                        time_ms, variants)
 
@@ -47,16 +48,22 @@ class BlockWithRope(nn.Module):
 
 
 def preset_args(preset: str, seq: int, vocab: int = 32000):
-    from lowbit.models.llama import resolve_model_args
+    """ModelArgs of a preset; the checks name bench's options (the library's name the config's keys)."""
+    from lowbit.models.llama import PRESETS, resolve_model_args
     from lowbit.train.config import ModelConfig
 
+    if preset not in PRESETS:
+        raise LowbitError(f"bench: --preset {preset!r} is not one of {', '.join(PRESETS)}")
+    fixed = PRESETS[preset].get("vocab_size")
+    if fixed and vocab > fixed:
+        raise LowbitError(f"bench: --vocab {vocab} is above the fixed vocabulary of preset {preset!r} ({fixed})")
     return resolve_model_args(ModelConfig(preset=preset), vocab_size=vocab, seq_len=seq)
 
 
 def time_fwd_bwd(base: nn.Module, x: torch.Tensor, a, device: torch.device, report: Report, t: Table,
                  flops: float) -> None:
-    """One row per variant: median ms of module(x).backward(dy), compiled unless --eager; TFLOP/s from `flops`
-    (forward + backward), speed-up against the bf16 row of this table."""
+    """One row per variant: median ms of module(x).backward(dy) (grads cleared first), compiled unless --eager;
+    TFLOP/s from `flops` (forward + backward), speed-up against the bf16 row of this table."""
     g = torch.Generator(device=device).manual_seed(1)
     dy = None
     for v in variants(a.recipe_list, a.torchao_list):
@@ -70,6 +77,9 @@ def time_fwd_bwd(base: nn.Module, x: torch.Tensor, a, device: torch.device, repo
                 dy = torch.randn(shape, device=device, generator=g).to(x.dtype)
 
             def step():
+                # set_to_none, not zeroing: backward then writes fresh grads, with no accumulate kernel in the time
+                x.grad = None
+                m.zero_grad(set_to_none=True)
                 fn_module(x).backward(dy)
 
             row.update(time_ms(step, device, a.steps, a.warmup))
@@ -120,7 +130,7 @@ def run_mlp(a, device: torch.device, report: Report) -> None:
 
 def run_block(a, device: torch.device, report: Report) -> None:
     torch.manual_seed(0)
-    args = preset_args(a.preset, a.seq)
+    args = a.model_args
     base = BlockWithRope(args).to(device, torch.bfloat16)
     x = torch.randn(a.batch, a.seq, args.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
     matmul_params = sum(m.weight.numel() for m in base.modules() if isinstance(m, nn.Linear))

@@ -73,7 +73,7 @@ def run_memory(a, device: torch.device, report: Report) -> None:
         row = {"variant": v.name}
         model = opt = fwd = None
         try:
-            model, opt = build(a.preset, a.seq, a.vocab, v, device)
+            model, opt = build(a.model_args, v, device)
             del opt
             saved = {}
             for b in sorted({a.batch, 1}):

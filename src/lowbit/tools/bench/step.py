@@ -12,18 +12,17 @@ from lowbit.tools.bench.common import (Report, Table, error_row, maybe_compile, 
                                        torchao_convert, variants)
 
 
-def build(preset: str, seq: int, vocab: int, v, device: torch.device):
-    """Model (converted as the variant says) and the trainer's optimizer for it."""
+def build(args, v, device: torch.device):
+    """Model of ModelArgs `args` (converted as the variant says) and the trainer's optimizer for it."""
     from lowbit.models.llama import Llama
     from lowbit.recipes import convert, get_recipe
-    from lowbit.tools.bench.layers import preset_args
     from lowbit.train.config import load_config, optim_precision
     from lowbit.train.trainer import build_optimizer
 
     recipe_name = v.recipe if v.impl == "lowbit" else "bf16"
     cfg = load_config(None, ["--recipe", recipe_name])
     torch.manual_seed(0)
-    model = Llama(preset_args(preset, seq, vocab)).to(device)
+    model = Llama(args).to(device)
     recipe = get_recipe(recipe_name)
     convert(model, recipe)
     if v.impl == "torchao":
@@ -59,7 +58,7 @@ def run_step(a, device: torch.device, report: Report) -> None:
         row = {"variant": v.name}
         model = opt = None
         try:
-            model, opt = build(a.preset, a.seq, a.vocab, v, device)
+            model, opt = build(a.model_args, v, device)
             fwd = maybe_compile(model, a.compile)
 
             def step():
