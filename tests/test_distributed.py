@@ -460,3 +460,69 @@ def test_fsdp_reduces_gradients_in_bf16(single, tmp_path):
     base = losses(base_dir)
     assert bf16[1] == fp32[1]  # the first loss comes before any exchange
     assert bf16[3] != fp32[3] and abs(bf16[3] - base[3]) <= 1e-3 * abs(base[3]), (bf16, fp32, base)
+
+
+FP8TW = ["--recipe", "fp8-tensorwise"]
+
+
+def _gathered_bytes(rank, world, fp8_gather):
+    """Bytes FSDP2 all-gathers for one forward of a tiny fp8-tensorwise model, and the type of a linear's weight
+    inside its forward."""
+    from types import SimpleNamespace
+
+    from lowbit.distributed.fsdp import apply_fsdp
+    from lowbit.distributed.mesh import init_mesh
+    from lowbit.models.llama import Llama, ModelArgs
+    from lowbit.recipes import convert, get_recipe
+
+    parallel = SimpleNamespace(pp=1, dp=1, dp_shard=2, cp=1, tp=1, timeout_s=60)
+    mesh = init_mesh(parallel, torch.device("cpu"))
+    torch.manual_seed(0)
+    model = Llama(ModelArgs(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=192, vocab_size=128,
+                            max_seq_len=16))
+    convert(model, get_recipe("fp8-tensorwise"))
+    linear_numel = sum(m.weight.numel() for m in model.modules() if type(m).__name__ == "LowPrecisionLinear")
+    wrapped = apply_fsdp(model, mesh, "fp32", fp8_gather)
+    seen, sent = [], []
+    model.layers[0].feed_forward.w1.register_forward_pre_hook(lambda m, a: seen.append(type(m.weight).__name__))
+    names = [n for n in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, n)]  # 2.13 renamed it
+    originals = {n: getattr(dist, n) for n in names}
+
+    def counting(name):
+        def gather(out, inp, *a, **k):
+            sent.append(inp.numel() * inp.element_size())
+            return originals[name](out, inp, *a, **k)
+        return gather
+
+    for n in names:
+        setattr(dist, n, counting(n))
+    try:
+        x = torch.randint(0, 128, (2, 16))
+        loss = model(x, x)
+    finally:
+        for n in names:
+            setattr(dist, n, originals[n])
+    return len(wrapped), seen, sum(sent), loss.item(), linear_numel
+
+
+def test_fsdp_all_gathers_fp8_tensorwise_weights_as_bytes():
+    fp8 = spawn(2, _gathered_bytes, True)
+    wide = spawn(2, _gathered_bytes, False)
+    assert fp8[0][0] == 14 and wide[0][0] == 0  # 7 linears per block; the tied head stays with the embedding
+    assert fp8[0][1] == ["GatheredFP8"] and wide[0][1] == ["Parameter"]
+    # each rank sends its half of every linear weight once per forward: 1 byte per element instead of 4 (the
+    # embedding and the norms travel in fp32 either way)
+    assert wide[0][2] - fp8[0][2] == 3 * fp8[0][4] // 2
+    assert fp8[0][3] == wide[0][3]  # the same FP8 weights, so the same loss, bit for bit
+
+
+def test_fsdp_fp8_gather_matches_data_parallel_and_resumes_under_it(single, tmp_path):
+    """fp8-tensorwise under dp_shard 2 (weights gathered as FP8) gives dp2's losses bit for bit, and its
+    checkpoint (the high-precision shards) resumes under dp2."""
+    _, cache = single
+    dp = losses(run_layout(tmp_path, "dp2-fp8tw", 2, [*FP8TW, "--parallel.dp", "2"], cache))
+    run = tmp_path / "fsdp-fp8-then-dp"
+    spawn(2, _train, str(run), [*FP8TW, "--parallel.dp_shard", "2", "--train.stop_at", "2"], cache)
+    assert losses(run) == {s: dp[s] for s in (1, 2)}
+    spawn(2, _train, str(run), [*FP8TW, "--parallel.dp", "2", "--run.resume"], cache)
+    assert losses(run) == dp

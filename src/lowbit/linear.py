@@ -83,7 +83,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
         with torch.autocast(x.device.type, enabled=False):
             qx = quantize(x2, r.input, scale=scale_x)
-            qw = quantize(weight, r.weight, scale=scale_w)
+            # a weight all-gathered in FP8 (FSDP2) arrives quantized with the whole tensor's scale
+            qw = weight.quantized() if hasattr(weight, "quantized") else quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
             if residual is not None:  # OCC compensation: the outliers' share, sparse, in the weights' precision
                 y = (y.float() + torch.sparse.mm(residual, weight.float().t())).to(out_dtype)
@@ -177,7 +178,12 @@ class LowPrecisionLinear(nn.Linear):
         if r.occ is not None:  # clamp outliers; straight-through for x, the residual is compensated in the Function
             x2, residual = occ_split(x2.detach(), r.occ)
         scale_x = st["input"].scales_for(x2, update, replay)
-        scale_w = st["weight"].scales_for(self.weight, update, replay)
+        if hasattr(self.weight, "quantized"):  # FP8 all-gather (FSDP2): cast before the gather, record it here
+            scale_w = self.weight._scale_inv.reciprocal()
+            if update:
+                st["weight"].observe(self.weight._amax, self.weight._bad.sum())
+        else:
+            scale_w = st["weight"].scales_for(self.weight, update, replay)
         go = st["grad_output"]
         # Copies: the state may move on before this backward runs (another micro-batch's backward, a pipeline)
         y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(), go.updates.clone(),

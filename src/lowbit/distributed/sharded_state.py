@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from lowbit.distributed.fsdp_fp8 import plain
 from lowbit.distributed.tensor_parallel import sharded_names
 
 MODEL, OPTIMIZER = "model.", "optimizer."
@@ -42,7 +43,7 @@ def checkpoint_tensors(model: nn.Module, optimizer, mesh) -> dict[str, torch.Ten
     """Flat {global name: this process's piece}: "model.<state key>" and "optimizer.<parameter>.<state>"."""
     tp_mesh = mesh.device_mesh["tp"] if mesh.sizes["tp"] > 1 else None
     dims = sharded_names(model)
-    out = {MODEL + k: _piece(v, dims.get(k), tp_mesh) for k, v in model.state_dict().items()}
+    out = {MODEL + k: _piece(plain(v), dims.get(k), tp_mesh) for k, v in model.state_dict().items()}
     name_of = {p: n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:

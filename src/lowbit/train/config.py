@@ -113,6 +113,8 @@ class ParallelConfig:
     dp: int = opt(1, "data-parallel degree (replicas; each takes a slice of the global batch)")
     dp_shard: int = opt(1, "FSDP2 degree (fully_shard): parameters, gradients and optimizer states sharded over "
                            "these replicas, each with its own batch slice; with dp > 1: HSDP")
+    fsdp_fp8_gather: bool = opt(True, "with dp_shard: all-gather the weights of fp8-tensorwise linears as FP8 "
+                                      "bytes (one scale per tensor, the same numerics)")
     tp: int = opt(1, "tensor-parallel degree (attention heads and MLP width split, Megatron-style)")
     sequence_parallel: bool = opt(False, "with tp: norms and the residual stream split along the sequence "
                                          "(Megatron SP); activations gathered in FP8 under fp8-tensorwise")

@@ -241,8 +241,9 @@ def train(cfg: Config) -> dict:
             apply_sequence_parallel(model, tp_group)
     pp_group = mesh.group("pp")
     stage = pipeline.split_model(model, mesh.sizes["pp"], mesh.coords["pp"]) if pp_group is not None else None
+    fp8_gathered: list[str] = []
     if fsdp:
-        apply_fsdp(model, mesh, cfg.parallel.grad_sync)
+        fp8_gathered = apply_fsdp(model, mesh, cfg.parallel.grad_sync, cfg.parallel.fsdp_fp8_gather)
     grad_sync = GradSync(None if fsdp else replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
@@ -317,6 +318,8 @@ def train(cfg: Config) -> dict:
     if recipe.linear is not None:
         say(f"lowbit: recipe {recipe.name}: {len(conversion['converted'])} linears in low precision; kept in "
               f"{dtype}: {', '.join(conversion['kept']) or 'none'}")
+    if fp8_gathered:
+        say(f"lowbit: FSDP2 all-gathers {len(fp8_gathered)} weights as FP8 bytes")
 
     summary = {"run_dir": str(run_dir), "start_step": start_step, "step": start_step, "loss": None,
                "val_loss": None}
