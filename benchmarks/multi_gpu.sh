@@ -8,6 +8,7 @@
 #                                    that writes its checkpoint, GPipe
 #   bash benchmarks/multi_gpu.sh d   the rewritten gradient exchange in training (dp2 bf16/fp8), FSDP2 dp_shard2
 #                                    bf16 and fp8-tensorwise (one writes its DCP checkpoint)
+#   bash benchmarks/multi_gpu.sh e   FSDP2 fp8-tensorwise: weights all-gathered as FP8 vs fp32; a 125m run with its checkpoint
 # Env: SRC (lowbit sources, default .gpu10/src), DATA (a prepared dataset dir), OUT (results), BUDGET_S (seconds
 # this part may take), SMOKE=1 (CPU, gloo, tiny shapes: checks the script itself).
 # Each sub-run's summary is appended to $OUT/results.jsonl as soon as it ends (multi_gpu_report.py collect).
@@ -134,6 +135,12 @@ case "${1:-a}" in
     sub dp2_1b_fp8sync_v2 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=20 --parallel.dp=2 --parallel.grad_sync=fp8
     sub fsdp2_1b_bf16 120 2 -- "${B1[@]}" --train.steps=20 --parallel.dp_shard=2 --parallel.grad_sync=bf16
     sub fsdp2_1b_fp8tw 80 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --recipe=fp8-tensorwise --parallel.dp_shard=2 --parallel.grad_sync=bf16
+    ;;
+  e)
+    # FSDP2 fp8-tensorwise with the weights all-gathered as FP8 bytes (default) against fp32 all-gathers
+    sub fsdp2_1b_fp8tw_fp8gather 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --recipe=fp8-tensorwise --parallel.dp_shard=2 --parallel.grad_sync=bf16
+    sub fsdp2_1b_fp8tw_fp32gather 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --recipe=fp8-tensorwise --parallel.dp_shard=2 --parallel.grad_sync=bf16 --parallel.fsdp_fp8_gather=false
+    sub fsdp2_125m_fp8tw_fp8gather_ckpt 60 2 -- --model.preset=125m --data.seq_len=512 --train.batch_size=16 --train.steps=20 --recipe=fp8-tensorwise --parallel.dp_shard=2
     ;;
 esac
 $PY "$HERE/multi_gpu_report.py" report "$OUT/results.jsonl" | tee "$OUT/table.md"
