@@ -526,3 +526,50 @@ def test_fsdp_fp8_gather_matches_data_parallel_and_resumes_under_it(single, tmp_
     assert losses(run) == {s: dp[s] for s in (1, 2)}
     spawn(2, _train, str(run), [*FP8TW, "--parallel.dp", "2", "--run.resume"], cache)
     assert losses(run) == dp
+
+
+def _amax_reductions(rank, world):
+    """How many all-reduces a forward's FP8 all-gathers make: with every amax precomputed, and after one weight
+    changed in place (its precomputed amax is stale: measured again)."""
+    from types import SimpleNamespace
+
+    from lowbit.distributed.fsdp import apply_fsdp
+    from lowbit.distributed.fsdp_fp8 import precompute_amax
+    from lowbit.distributed.mesh import init_mesh
+    from lowbit.models.llama import Llama, ModelArgs
+    from lowbit.recipes import convert, get_recipe
+
+    mesh = init_mesh(SimpleNamespace(pp=1, dp=1, dp_shard=2, cp=1, tp=1, timeout_s=60), torch.device("cpu"))
+    torch.manual_seed(0)
+    model = Llama(ModelArgs(dim=64, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=192, vocab_size=128,
+                            max_seq_len=16))
+    convert(model, get_recipe("fp8-tensorwise"))
+    apply_fsdp(model, mesh, "fp32")
+    x = torch.randint(0, 128, (2, 16))
+    reduce, calls = dist.all_reduce, []
+
+    def counting(*a, **k):
+        calls.append(1)
+        return reduce(*a, **k)
+
+    counts, losses_ = [], []
+    for change in (False, True):
+        with torch.no_grad():
+            model(x, x)  # FSDP's lazy init, outside the count
+            precompute_amax(model)
+            if change:
+                model.layers[1].attention.wq.weight.to_local().mul_(2.0)
+        calls.clear()
+        dist.all_reduce = counting
+        try:
+            with torch.no_grad():
+                losses_.append(model(x, x).item())
+        finally:
+            dist.all_reduce = reduce
+        counts.append(len(calls))
+    return counts, losses_
+
+
+def test_fsdp_fp8_gather_uses_precomputed_amax_unless_the_weight_changed():
+    counts, _ = spawn(2, _amax_reductions)[0]
+    assert counts == [0, 1]

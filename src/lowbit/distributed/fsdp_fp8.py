@@ -7,7 +7,9 @@ A tensorwise-E4M3 LowPrecisionLinear's weight becomes a `FP8GatherWeight`: a pla
   gives the scale the layer would have picked for the whole weight; the shard is cast with it and sent as bytes;
 - `fsdp_post_all_gather`: the gathered bytes become a `GatheredFP8`, the quantized whole weight, which the layer
   uses as its weight operand as is (its scale and amax are recorded as the layer's own cast would have).
-The cast is elementwise with a shared scale, so the bytes are those of quantizing the unsharded weight.
+The cast is elementwise with a shared scale, so the bytes are those of quantizing the unsharded weight. The
+amax all-reduce of every weight is one collective after the optimizer step (`precompute_amax`), valid until the
+weight changes again (counted in `_changes`, shared by its views); without it each gather reduces its own.
 Anything else done with a GatheredFP8 (a norm, a telemetry statistic) sees its dequantized value.
 """
 
@@ -21,6 +23,9 @@ from lowbit.qtensor import QTensor, cast
 from lowbit.scaling import Scaling, scale_from_amax
 
 aten = torch.ops.aten
+# views of a parameter FSDP2 and the optimizer take: the same data, so the same record of its changes
+_VIEWS = {aten.detach.default, aten.alias.default, aten.split.Tensor, aten.split_with_sizes.default,
+          aten.chunk.default, aten.slice.Tensor, aten.narrow.default, aten.view.default, aten.as_strided.default}
 # ops FSDP2 shards, pads, copies and views a parameter with: their results stay FP8GatherWeight
 _KEEP = {aten.detach.default, aten.alias.default, aten.empty_like.default, aten.new_zeros.default,
          aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor,
@@ -43,11 +48,15 @@ class FP8GatherWeight(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
-    def __new__(cls, data: torch.Tensor, spec: Scaling):
+    def __new__(cls, data: torch.Tensor, spec: Scaling, changes: list | None = None):
         return _wrapper(cls, data, data.dtype)
 
-    def __init__(self, data: torch.Tensor, spec: Scaling):
+    def __init__(self, data: torch.Tensor, spec: Scaling, changes: list | None = None):
         self._data, self._spec = data, spec
+        # in-place changes of the data, shared with its views (torch's version counter does not see them: they
+        # happen below autograd); `_amax` is the whole weight's amax when the count was `_amax_at`
+        self._changes = changes if changes is not None else [0]
+        self._amax, self._amax_at = None, -1
 
     def __repr__(self):
         return f"FP8GatherWeight({self._data!r})"
@@ -61,19 +70,26 @@ class FP8GatherWeight(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        spec = next(a._spec for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
         unwrap = lambda t: t._data if isinstance(t, cls) else t  # noqa: E731
         out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        first = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        if func._schema.is_mutable:  # an optimizer step, a checkpoint load: a precomputed amax is now stale
+            for t in pytree.tree_leaves((args, kwargs)):
+                if isinstance(t, cls):
+                    t._changes[0] += 1
         if func in _KEEP:
-            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, spec), out)
+            changes = first._changes if func in _VIEWS else None
+            return pytree.tree_map_only(torch.Tensor, lambda t: cls(t, first._spec, changes), out)
         return out
 
     # ---- FSDP2's all-gather extension ----
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         s = self._spec
         local = self._data
-        amax = local.detach().abs().amax().float() if local.numel() else torch.zeros((), device=local.device)
-        dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        amax = self._amax if self._amax_at == self._changes[0] else None  # precompute_amax's, if still true
+        if amax is None:
+            amax = local.detach().abs().amax().float() if local.numel() else torch.zeros((), device=local.device)
+            dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
         state = module.scaling["weight"]
         scale, bad = scale_from_amax(amax, s, fallback=state.scale)
         q = cast(local, scale, s)
@@ -150,6 +166,29 @@ def wrap_fp8_gather(model: torch.nn.Module) -> list[str]:
                                           requires_grad=m.weight.requires_grad)
             wrapped.append(f"{name}.weight")
     return wrapped
+
+
+@torch.no_grad()
+def precompute_amax(model: torch.nn.Module) -> None:
+    """The whole-weight amax of every FP8GatherWeight in one all-reduce (after the optimizer step), instead of
+    one small all-reduce per weight inside FSDP's all-gathers. Each is kept with the version of the data it was
+    taken from, so a weight changed since then is measured again, never cast with a stale scale."""
+    from torch.distributed.tensor import DTensor
+
+    # `_local_tensor` itself: the object FSDP calls fsdp_pre_all_gather on (to_local() returns a fresh alias)
+    sharded = [p for p in model.parameters()
+               if isinstance(p, DTensor) and isinstance(p._local_tensor, FP8GatherWeight)]
+    if not sharded:
+        return
+    mesh = sharded[0].device_mesh  # one mesh for the whole model
+    group = mesh.get_group(mesh.ndim - 1)  # the shard dimension (HSDP: the last of dp × dp_shard)
+    shards = [p._local_tensor for p in sharded]
+    datas = [w._data for w in shards]
+    amax = torch.stack([d.abs().amax().float() if d.numel() else d.new_zeros((), dtype=torch.float32)
+                        for d in datas])
+    dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
+    for w, a in zip(shards, amax.unbind()):
+        w._amax, w._amax_at = a, w._changes[0]
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
 from lowbit.distributed import context_parallel, tensor_parallel
 from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
 from lowbit.distributed.fsdp import apply_fsdp
+from lowbit.distributed.fsdp_fp8 import precompute_amax
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
 from lowbit.distributed.sharded_state import checkpoint_tensors
@@ -257,6 +258,8 @@ def train(cfg: Config) -> dict:
         optimizer.load_hyper(state["optimizer"])  # same groups, stored alike: checked before any tensor is read
         # this process's pieces of the whole tensors, read in place (a stage's blocks, a tp shard, a ZeRO share)
         ckpt.load_tensors(path, checkpoint_tensors(model, optimizer, mesh), model_keys)
+        if fp8_gathered:  # loaded under the FP8 all-gather's bookkeeping: its amaxes are measured afresh
+            precompute_amax(model)
         scheduler.load_state_dict(state["scheduler"])
         if "grad_sync" in state:
             grad_sync.load_state_dict(state["grad_sync"])
@@ -383,6 +386,8 @@ def train(cfg: Config) -> dict:
             if finite:
                 bad_run = 0
                 optimizer.step()
+                if fp8_gathered:  # the next all-gathers' scales, in one all-reduce
+                    precompute_amax(model)
                 if zero is not None:  # each replica updated its share of the weights: exchange them
                     zero.broadcast()
             else:  # skip the update: nothing non-finite reaches the weights or the optimizer states
