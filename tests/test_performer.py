@@ -16,7 +16,7 @@ from lowbit.models.llama import Llama, ModelArgs
 from lowbit.models.performer import (CausalLinearAttention, Performer, default_features, favor_attention,
                                      feature_map, orthogonal_features)
 from lowbit.recipes import RECIPES, convert, get_recipe
-from lowbit.train.checkpoint import find_resumable, load
+from lowbit.train.checkpoint import find_resumable, read_whole
 
 
 def qkv(b=1, h=4, n=64, d=16, scale=0.5, seed=0, dtype=torch.float64):
@@ -206,8 +206,8 @@ def test_performer_trains_redraws_and_resumes_bit_exactly(tmp_path, capsys):
     assert cli(capsys, "train", *perf, "--run.resume", "--run.dir", tmp_path / "split")[0] == 0
     assert losses(tmp_path / "straight") == losses(tmp_path / "split")
     assert losses(tmp_path / "straight")[8] < losses(tmp_path / "straight")[1]
-    first = load(tmp_path / "split" / "checkpoints" / "step_00000004")[0]
-    last = load(find_resumable(tmp_path / "straight"))[0]
+    first = read_whole(tmp_path / "split" / "checkpoints" / "step_00000004")
+    last = read_whole(find_resumable(tmp_path / "straight"))
     key = "layers.0.attention.core.features"
     assert not torch.equal(first[key], last[key])  # redrawn at step 6
 
