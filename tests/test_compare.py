@@ -69,3 +69,25 @@ def test_compare_bad_arguments_train_nothing(tmp_path, capsys):
         code, out, err = cli(capsys, "compare", *args, "--out", tmp_path / "out", *ARGS)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
         assert not (tmp_path / "out").exists() and "step" not in out
+
+
+def test_compare_on_devices_runs_each_recipe_in_its_own_process(compared, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--devices", "cpu,cpu", *ARGS)
+    assert code == 0 and text.count(" on cpu (log ") == 2 and text.count("finished after") == 2
+    for r in RECIPES.split(","):  # a child process trains what this process trained
+        assert (out / f"{r}.log").stat().st_size > 0 and not (out / f".{r}.toml").exists()
+        assert losses(out / r) == pytest.approx(losses(compared / r), rel=1e-5)
+    assert json.loads((out / "compare.json").read_text())["runs"][1]["val_loss"] is not None
+    code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--devices", "cpu", *ARGS)
+    assert code == 0 and text.count("skipped, finished run") == 2 and " on cpu" not in text
+    code, _, err = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--devices", "gpu0", *ARGS)
+    assert code == 2 and "'gpu0' is not cpu, cuda or cuda:N" in err
+
+
+def test_compare_on_devices_reports_a_failed_run(tmp_path, capsys):
+    out = tmp_path / "out"  # a missing dataset passes the config checks here and fails in the child
+    code, _, err = cli(capsys, "compare", "--recipes", "bf16", "--out", out, "--devices", "cpu", *ARGS,
+                       "--data.path", str(tmp_path / "missing"))
+    assert code == 2 and "bf16 failed: see the end of" in err and "bf16.log" in err
+    assert "not found" in (out / "bf16.log").read_text()

@@ -1,5 +1,6 @@
 """`lowbit compare --recipes a,b,... --out DIR [CONFIG.toml] [--section.key=value ...]`: the same model, data and
-seed trained under each recipe (run dir DIR/<recipe>, one after another in this process), then an overlay of the
+seed trained under each recipe (run dir DIR/<recipe>: one after another in this process, or with --devices
+concurrently, one `lowbit train` process per run on the next free device), then an overlay of the
 training and validation losses (compare.png), a table of final losses with the gap to bf16, throughput and the
 worst under/overflowing operand of each low-precision run (compare.md, compare.json, and printed).
 
@@ -15,14 +16,19 @@ import datetime
 import gc
 import json
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 from lowbit.errors import LowbitError
 
 LAST_N = 10  # the final training loss is the mean of the last LAST_N steps: one batch's loss is noisy
 # Keys that may differ between the config a run was started with and the one that continues it.
-CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir")  # may differ between the sessions of one run
+# run.device: --devices may put a resumed run on another GPU than the one it started on
+CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir", "run.device")
 SAY = {"train": "training in", "skip": "skipped, finished run in", "resume": "resuming", "restart":
        "restarting (stopped before its first checkpoint)"}
 
@@ -34,6 +40,20 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recipes", required=True, help="comma-separated recipes (`lowbit recipes`); include bf16 "
                                                     "for the gap column, else the gap is to the first")
     p.add_argument("--out", default="runs/compare", help="directory of the runs (OUT/<recipe>) and the report")
+    p.add_argument("--devices", default="", help="train the recipes concurrently, each in its own `lowbit train` "
+                                                 "process (output in OUT/<recipe>.log) on the next free device of "
+                                                 "this list, e.g. cuda:0,cuda:1 (a device named twice takes two "
+                                                 "runs at once); empty: one after another in this process")
+
+
+def parse_devices(text: str) -> list[str]:
+    import re
+
+    devices = [d.strip() for d in text.split(",")] if text.strip() else []
+    for d in devices:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
+            raise LowbitError(f"compare: --devices: {d!r} is not cpu, cuda or cuda:N")
+    return devices
 
 
 def parse_recipes(text: str) -> list[str]:
@@ -87,14 +107,18 @@ def plan(cfg) -> str:
     return "resume" if ckpt.list_checkpoints(run_dir) else "restart"
 
 
-def run_one(cfg, action: str) -> None:
-    from lowbit.train.trainer import train
-
+def _ready(cfg, action: str) -> None:
     run_dir = Path(cfg.run.dir)
     if action == "restart":  # stopped before its first checkpoint: nothing to keep, and train refuses the dir
         (run_dir / "metrics.jsonl").unlink(missing_ok=True)
         shutil.rmtree(run_dir / "tensorboard", ignore_errors=True)
     cfg.run.resume = action == "resume"
+
+
+def run_one(cfg, action: str) -> None:
+    from lowbit.train.trainer import train
+
+    _ready(cfg, action)
     train(cfg)
     gc.collect()  # the next run should not share the device with this one's tensors
     import torch
@@ -102,6 +126,58 @@ def run_one(cfg, action: str) -> None:
     torch._dynamo.reset()  # another recipe's graphs would count against the recompile limit (--train.compile)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def run_concurrently(cfgs: dict, actions: dict, devices: list[str], out: Path) -> None:
+    """Each run in its own `lowbit train` process on the next free device; SIGTERM/SIGINT reach every run (each
+    stops after its step with a checkpoint, so the next compare resumes it)."""
+    from lowbit.train.config import to_toml
+
+    out.mkdir(parents=True, exist_ok=True)
+    pending = [r for r in cfgs if actions[r] != "skip"]
+    free, running, failed = list(devices), {}, []
+
+    def stop(sig, _frame):
+        for proc in running:
+            proc.send_signal(sig)
+        raise KeyboardInterrupt
+
+    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        while pending or running:
+            while pending and free:
+                r, device = pending.pop(0), free.pop(0)
+                cfg = cfgs[r]
+                cfg.run.device = device
+                _ready(cfg, actions[r])
+                launch = out / f".{r}.toml"  # the whole config: the child needs no other argument
+                launch.write_text(to_toml(cfg))
+                with open(out / f"{r}.log", "a") as log:
+                    proc = subprocess.Popen([sys.executable, "-m", "lowbit", "train", str(launch)], stdout=log,
+                                            stderr=subprocess.STDOUT)
+                running[proc] = (r, device, time.monotonic())
+                print(f"lowbit compare: {r}: {SAY[actions[r]]} {cfg.run.dir} on {device} (log {out / r}.log)",
+                      flush=True)
+            time.sleep(0.5)
+            for proc in [p for p in running if p.poll() is not None]:
+                r, device, t0 = running.pop(proc)
+                free.append(device)
+                (out / f".{r}.toml").unlink(missing_ok=True)
+                print(f"lowbit compare: {r}: {'finished' if proc.returncode == 0 else 'FAILED'} after "
+                      f"{time.monotonic() - t0:.0f} s (exit {proc.returncode})", flush=True)
+                if proc.returncode:
+                    failed.append(r)
+    except KeyboardInterrupt:
+        for proc in running:
+            proc.wait()
+        raise LowbitError("compare: interrupted; each unfinished run stopped with a checkpoint: run the same "
+                          "command again to resume") from None
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    if failed:
+        logs = ", ".join(str(out / f"{r}.log") for r in failed)
+        raise LowbitError(f"compare: {', '.join(failed)} failed: see the end of {logs}")
 
 
 def read_run(run_dir: Path, low_precision: bool) -> dict:
@@ -202,13 +278,17 @@ def run(a: argparse.Namespace) -> int:
     if world_size() > 1:
         raise LowbitError("compare: runs its recipes one after another in one process; start it without torchrun")
     recipes = parse_recipes(a.recipes)
+    devices = parse_devices(a.devices)
     out = Path(a.out)
     cfgs = configs(recipes, a.train, out)
     actions = {r: plan(cfg) for r, cfg in cfgs.items()}  # every run dir checked before anything trains
     for r, cfg in cfgs.items():
-        print(f"lowbit compare: {r}: {SAY[actions[r]]} {cfg.run.dir}", flush=True)
-        if actions[r] != "skip":
+        if actions[r] == "skip" or not devices:
+            print(f"lowbit compare: {r}: {SAY[actions[r]]} {cfg.run.dir}", flush=True)
+        if actions[r] != "skip" and not devices:
             run_one(cfg, actions[r])
+    if devices:
+        run_concurrently(cfgs, actions, devices, out)
 
     base = "bf16" if "bf16" in recipes else recipes[0]
     runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[r].linear is not None) for r in recipes}
