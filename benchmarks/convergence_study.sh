@@ -36,7 +36,7 @@ echo "prepared at $(( $(date +%s) - T0 )) s"
 
 # 2. The runs: 768 steps x 64 x 1024 tokens = 50.3M tokens each.
 RECIPES=bf16,fp4,fp8-tensorwise,fp8lm-o2,fp8-delayed,nanotron-r2
-ARGS=(--model.preset=125m --data.path="$W/data" --data.seq_len=1024 --train.steps=768 --train.batch_size=64
+ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.seq_len=1024 --train.steps=768 --train.batch_size=64
       --train.micro_batch_size=32 --train.lr=6e-4 --train.warmup_steps=64 --train.eval_every=64
       --train.eval_batches=8 --train.log_every=16 --numerics.telemetry_every=64 --run.plot=false)
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
