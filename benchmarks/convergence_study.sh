@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Issue 9's study on a 2-GPU machine, in one call: a ~97M-parameter LLaMA (the 125m preset's 12 x 768 with an
-# 8192-token BPE) trained on >= 50M tokens of Python sources (that machine's site-packages) under six recipes,
-# three runs per GPU at once through `lowbit compare --devices`. Eager mode for every recipe (same footing).
-#   bash benchmarks/convergence_study.sh      (SRC: lowbit's src dir; TOKENIZER: a tokenizer.json)
+# Issue 9's study: a ~97M-parameter LLaMA (the 125m preset's 12 x 768 with an 8192-token BPE) trained on >= 50M
+# tokens of Python sources (the GPU machine's site-packages) under six recipes, several runs per GPU at once
+# through `lowbit compare --devices`. Eager mode for every recipe (same footing).
+#   SRC=src RECIPES=a,b,c DEVICES=cuda:0,cuda:0,cuda:0 [PRIOR=dir] bash benchmarks/convergence_study.sh
+# RECIPES: those to compare (default all six); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
+# config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json.
 # Runs still going at DEADLINE seconds get SIGTERM (each checkpoints and stops); what came out is packed into
 # $OUT/study.tar.gz (metrics, telemetry, logs, report; no checkpoints).
 set -u
@@ -18,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'
 
 # 1. The corpus: .py files under 400 kB from site-packages, walked in path order, until 230 MB.
-python3 - "$W/src" <<'PY'
+[ -f "$W/data/meta.json" ] || python3 - "$W/src" <<'PY'
 import os, shutil, site, sys
 root, dst, total, n = site.getsitepackages()[0], sys.argv[1], 0, 0
 for d, dirs, files in os.walk(root):
@@ -31,18 +33,21 @@ for d, dirs, files in os.walk(root):
             total, n = total + os.path.getsize(p), n + 1
 print(f"corpus: {n} files, {total / 1e6:.0f} MB from {root}")
 PY
-python3 -m lowbit prepare "$W/src" --tokenizer "$TOKENIZER" --out "$W/data" --val-fraction 0.01 || exit 1
+[ -f "$W/data/meta.json" ] || python3 -m lowbit prepare "$W/src" --tokenizer "$TOKENIZER" --out "$W/data" \
+    --val-fraction 0.01 || exit 1
 echo "prepared at $(( $(date +%s) - T0 )) s"
 
 # 2. The runs: 768 steps x 64 x 1024 tokens = 50.3M tokens each.
-RECIPES=bf16,fp4,fp8-tensorwise,fp8lm-o2,fp8-delayed,nanotron-r2
+RECIPES=${RECIPES:-bf16,fp4,fp8-tensorwise,fp8lm-o2,fp8-delayed,nanotron-r2}
+DEVICES=${DEVICES:-cuda:0,cuda:1,cuda:0,cuda:1,cuda:0,cuda:1}
+if [ -n "${PRIOR:-}" ]; then mkdir -p "$W/runs" && cp -rn "$PRIOR"/* "$W/runs/"; fi
 ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.seq_len=1024 --train.steps=768 --train.batch_size=64
       --train.micro_batch_size=32 --train.lr=6e-4 --train.warmup_steps=64 --train.eval_every=64
       --train.eval_batches=8 --train.log_every=16 --numerics.telemetry_every=64 --run.plot=false)
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
-echo "COMMAND: lowbit compare --recipes $RECIPES --devices cuda:0,cuda:1,cuda:0,cuda:1,cuda:0,cuda:1 --out runs/study ${ARGS[*]}"
-timeout -s TERM -k 60 "$LEFT" python3 -m lowbit compare --recipes "$RECIPES" \
-    --devices cuda:0,cuda:1,cuda:0,cuda:1,cuda:0,cuda:1 --out "$W/runs" "${ARGS[@]}"
+echo "COMMAND: lowbit compare --recipes $RECIPES --devices $DEVICES --out runs/study ${ARGS[*]}"
+timeout -s TERM -k 60 "$LEFT" python3 -m lowbit compare --recipes "$RECIPES" --devices "$DEVICES" --out "$W/runs" \
+    "${ARGS[@]}"
 echo "compare exit $? at $(( $(date +%s) - T0 )) s"
 for r in ${RECIPES//,/ }; do echo "== $r"; tail -n 3 "$W/runs/$r.log"; done
 tar -czf "$OUT/study.tar.gz" -C "$W" --exclude=checkpoints runs data/meta.json
