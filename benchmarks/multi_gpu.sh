@@ -9,6 +9,8 @@
 #   bash benchmarks/multi_gpu.sh d   the rewritten gradient exchange in training (dp2 bf16/fp8), FSDP2 dp_shard2
 #                                    bf16 and fp8-tensorwise (one writes its DCP checkpoint)
 #   bash benchmarks/multi_gpu.sh e   FSDP2 fp8-tensorwise: weights all-gathered as FP8 vs fp32; a 125m run with its checkpoint
+#   bash benchmarks/multi_gpu.sh f   125m context parallel: zigzag vs plain split at 32k (ring, rsa), then the longest
+#                                    trainable sequence (64k, 128k) of each; ~235 s (BUDGET_S 225 by default)
 # Env: SRC (lowbit sources, default .gpu10/src), DATA (a prepared dataset dir), OUT (results), BUDGET_S (seconds
 # this part may take), SMOKE=1 (CPU, gloo, tiny shapes: checks the script itself).
 # Each sub-run's summary is appended to $OUT/results.jsonl as soon as it ends (multi_gpu_report.py collect).
@@ -21,7 +23,8 @@ export PYTHONPATH=$SRC
 DATA=${DATA:-$(ls -d $PWD/.gpu10/data/* | head -1)}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/mg10}; rm -rf "$WORK"; mkdir -p "$WORK"
-BUDGET_S=${BUDGET_S:-560}
+DEFAULT_BUDGET_S=560; [ "${1:-a}" = f ] && DEFAULT_BUDGET_S=225
+BUDGET_S=${BUDGET_S:-$DEFAULT_BUDGET_S}
 PY=${PY:-python3}
 T0=$(date +%s)
 PORT=29511
@@ -66,6 +69,12 @@ r = runs.get(sys.argv[2], {})
 ok = r.get("rc") == 0
 print(int(max([x.get("peak_mem_gib") or 0 for x in r.get("ranks", [])], default=0)) + 1 if ok else 999)
 EOF
+}
+
+steps_of() {  # training steps a collected run finished (0 if none): did it fit in memory at all?
+  $PY -c "import json, sys; r = {}
+for l in open(sys.argv[1]): x = json.loads(l); r[x['name']] = x
+print(r.get(sys.argv[2], {}).get('steps_done', 0))" "$OUT/results.jsonl" "$1"
 }
 
 { date -u; nvidia-smi -L; nvidia-smi topo -m; $PY -c "import torch; print('torch', torch.__version__, torch.cuda.device_count(), 'nccl', torch.cuda.nccl.version() if torch.cuda.is_available() else '')"; env | grep -E "NVLS|MULTICAST"; } > "$OUT/env.txt" 2>&1
@@ -141,6 +150,29 @@ case "${1:-a}" in
     sub fsdp2_1b_fp8tw_fp8gather 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --recipe=fp8-tensorwise --parallel.dp_shard=2 --parallel.grad_sync=bf16
     sub fsdp2_1b_fp8tw_fp32gather 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --recipe=fp8-tensorwise --parallel.dp_shard=2 --parallel.grad_sync=bf16 --parallel.fsdp_fp8_gather=false
     sub fsdp2_125m_fp8tw_fp8gather_ckpt 60 2 -- --model.preset=125m --data.seq_len=512 --train.batch_size=16 --train.steps=20 --recipe=fp8-tensorwise --parallel.dp_shard=2
+    ;;
+  f)
+    # parallel.cp_layout at 32k: zigzag (balanced causal work) vs plain (rank 1 computes 2 blocks, rank 0 one: its
+    # other block is fully masked and skipped); 4 steps, steps 3-4 timed. rsa needs full checkpointing at 32k
+    # (part b: it keeps its Lq x L probabilities per layer). Then the longest trainable sequence, full
+    # checkpointing, 3 steps: 64k, and 128k only if 64k trained a step; an OOM is recorded and ends that search.
+    # Sub-runs that no longer fit in BUDGET_S are skipped (recorded), so the part ends in time.
+    C=(--model.preset=125m --train.batch_size=1 --parallel.cp=2)
+    for layout in zigzag plain; do
+      sub cp2f_ring_32k_$layout 75 2 BENCH_NO_CKPT=1 -- "${C[@]}" --train.steps=4 --data.seq_len=32768 --parallel.cp_impl=ring --parallel.cp_layout=$layout
+    done
+    for impl in ring rsa; do
+      for len in 65536 131072; do
+        sub cp2f_${impl}_$((len / 1024))k_ckpt 90 2 BENCH_NO_CKPT=1 -- "${C[@]}" --train.steps=3 --data.seq_len=$len --parallel.cp_impl=$impl --model.checkpointing=full
+        [ "$(steps_of cp2f_${impl}_$((len / 1024))k_ckpt)" -gt 0 ] || break
+      done
+    done
+    for layout in zigzag plain; do
+      sub cp2f_rsa_32k_${layout}_ckpt 75 2 BENCH_NO_CKPT=1 -- "${C[@]}" --train.steps=4 --data.seq_len=32768 --parallel.cp_impl=rsa --parallel.cp_layout=$layout --model.checkpointing=full
+    done
+    # with time left and 64k out of memory: ring between part b's 40k and 64k
+    [ "$(steps_of cp2f_ring_64k_ckpt)" = 0 ] && sub cp2f_ring_48k_ckpt 70 2 BENCH_NO_CKPT=1 -- "${C[@]}" --train.steps=3 --data.seq_len=49152 --parallel.cp_impl=ring --model.checkpointing=full
+    $PY "$HERE/multi_gpu_report.py" cp "$OUT/results.jsonl" | tee "$OUT/cp_table.md"
     ;;
 esac
 $PY "$HERE/multi_gpu_report.py" report "$OUT/results.jsonl" | tee "$OUT/table.md"

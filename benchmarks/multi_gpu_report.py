@@ -8,6 +8,7 @@
     python multi_gpu_report.py collect NAME RUN_DIR RC LOG       one JSON line: losses, step times, bytes, timings
     python multi_gpu_report.py report RESULTS.jsonl...           a markdown table of every run
     python multi_gpu_report.py compare RESULTS.jsonl...          losses against the one-GPU runs; pipeline bubble
+    python multi_gpu_report.py cp RESULTS.jsonl...               part f: context parallel layouts, longest sequence
 
 Nothing here changes what lowbit computes: the hooks only add device synchronisation and timers.
 """
@@ -271,6 +272,46 @@ def compare(paths: list[str]) -> dict:
     return out
 
 
+def outcome(r: dict) -> str:
+    """ok, OOM, time limit, skipped or failed: what became of a sub-run."""
+    if r["rc"] == 0:
+        return "ok"
+    if r.get("skipped"):
+        return "skipped (budget)"
+    text = " ".join([x.get("error") or "" for x in r["ranks"]] + r.get("errors", []))
+    if "OOM" in text or "OutOfMemory" in text or "out of memory" in text:
+        return "OOM"
+    if r["rc"] in (124, 137):
+        return "time limit"
+    return f"failed (rc {r['rc']})"
+
+
+def cp_report(paths: list[str]) -> str:
+    """Part f's runs (cp2f_IMPL_LENk_...): zigzag vs plain step time at 32k, the longest sequence that trained."""
+    runs = {n: r for n, r in read_runs(paths).items() if n.startswith("cp2f_")}
+    out = ["| run | impl | seq | layout | checkpointing | outcome | steps | ms/step (median, steps 3+) | tokens/s | "
+           "peak GiB (max rank) | CP bytes/step/rank |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    longest: dict[str, int] = {}
+    for name, r in runs.items():
+        impl, seq = name.split("_")[1:3]
+        peak = max([x["peak_mem_gib"] or 0 for x in r["ranks"]], default=0) or None
+        out.append(f"| {name} | {impl} | {seq} | {'plain' if 'plain' in name else 'zigzag'} | "
+                   f"{'full' if name.endswith('ckpt') else 'none'} | {outcome(r)} | {r['steps_done']} | "
+                   f"{_fmt(r.get('step_s_median') and 1e3 * r['step_s_median'])} | "
+                   f"{_fmt(r.get('tokens_per_s_median'), 0)} | {_fmt(peak)} | {r.get('comm_bytes_cp', 0):,} |")
+        if r["steps_done"]:
+            longest[impl] = max(longest.get(impl, 0), int(seq[:-1]))
+    out.append("")
+    for impl in ("ring", "rsa"):
+        z, p = (runs.get(f"cp2f_{impl}_32k_{lay}{'_ckpt' if impl == 'rsa' else ''}", {}).get("step_s_median")
+                for lay in ("zigzag", "plain"))
+        if z and p:
+            out.append(f"{impl} 32k: plain / zigzag step time = {p / z:.3f}")
+    out.append("longest sequence that trained at least one step: "
+               + ", ".join(f"{impl} {longest[impl]}k" for impl in sorted(longest)) if longest else "none trained")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "train":
@@ -281,3 +322,5 @@ if __name__ == "__main__":
         print(json.dumps(compare(sys.argv[2:]), indent=1))
     elif mode == "report":
         print(report(sys.argv[2:]))
+    elif mode == "cp":
+        print(cp_report(sys.argv[2:]))

@@ -1,11 +1,12 @@
-"""Ring attention and ring self-attention (2 and 4 gloo processes) equal full attention, forward and backward."""
+"""Ring attention and ring self-attention (2 and 4 gloo processes) equal full attention, forward and backward,
+under the zigzag and the plain split."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 from distributed_util import init_gloo, spawn
 
-from lowbit.distributed.context_parallel import RingAttention, RingSelfAttention, zigzag_positions
+from lowbit.distributed.context_parallel import RingAttention, RingSelfAttention, shard_positions, zigzag_positions
 
 B, H, L, D = 2, 3, 24, 8
 
@@ -16,13 +17,13 @@ def full_problem():
     return q, k, v, dout
 
 
-def _worker(rank, world, impl, causal):
+def _worker(rank, world, impl, causal, layout="zigzag"):
     init_gloo()
     import torch.distributed as dist
 
     q, k, v, dout = full_problem()
-    pos = zigzag_positions(L, world, rank)
-    positions = torch.stack([zigzag_positions(L, world, r) for r in range(world)])
+    positions = torch.stack([shard_positions(L, world, r, layout) for r in range(world)])
+    pos = positions[rank]
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
     fn = RingAttention if impl == "ring" else RingSelfAttention
     out = fn.apply(ql, kl, vl, positions, dist.group.WORLD, causal)
@@ -30,18 +31,29 @@ def _worker(rank, world, impl, causal):
     return pos, out.detach(), ql.grad, kl.grad, vl.grad
 
 
-@pytest.mark.parametrize("world", [2, 4])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("impl", ["ring", "rsa"])
-def test_context_parallel_attention_equals_full_attention(impl, causal, world):
+def _check_against_full_attention(world, impl, causal, layout="zigzag"):
     q, k, v, dout = full_problem()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     ref.backward(dout)
-    for pos, out, dq, dk, dv in spawn(world, _worker, impl, causal):
+    for pos, out, dq, dk, dv in spawn(world, _worker, impl, causal, layout):
         torch.testing.assert_close(out, ref.detach()[:, :, pos], rtol=1e-5, atol=1e-5)
         for got, full in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
             torch.testing.assert_close(got, full[:, :, pos], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("impl", ["ring", "rsa"])
+def test_context_parallel_attention_equals_full_attention(impl, causal, world):
+    _check_against_full_attention(world, impl, causal)
+
+
+@pytest.mark.parametrize("impl", ["ring", "rsa"])
+def test_plain_layout_equals_full_attention(impl):
+    """Rank 0 holds the first half: rank 1's block is fully masked for it (skipped), rank 0's fully allowed for
+    rank 1, and each rank's own block is the diagonal: every kind of block."""
+    _check_against_full_attention(2, impl, causal=True, layout="plain")
 
 
 def test_zigzag_balances_causal_work():
@@ -49,3 +61,9 @@ def test_zigzag_balances_causal_work():
     assert sorted(torch.cat(pos).tolist()) == list(range(32))
     work = [sum(int(p) + 1 for p in ps) for ps in pos]  # keys each rank's queries attend to
     assert len(set(work)) == 1
+
+
+def test_plain_positions_are_contiguous_chunks():
+    assert [shard_positions(12, 3, r, "plain").tolist() for r in range(3)] == [[0, 1, 2, 3], [4, 5, 6, 7],
+                                                                               [8, 9, 10, 11]]
+    assert torch.equal(shard_positions(12, 3, 1), zigzag_positions(12, 3, 1))  # zigzag is the default

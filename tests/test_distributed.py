@@ -58,6 +58,8 @@ def cli_main(args):
     ("dp2-microbatch", 2, ["--parallel.dp", "2", "--train.micro_batch_size", "2"]),
     ("cp2-ring", 2, ["--parallel.cp", "2"]),
     ("cp2-rsa", 2, ["--parallel.cp", "2", "--parallel.cp_impl", "rsa"]),
+    ("cp2-ring-plain", 2, ["--parallel.cp", "2", "--parallel.cp_layout", "plain"]),
+    ("cp2-rsa-plain", 2, ["--parallel.cp", "2", "--parallel.cp_impl", "rsa", "--parallel.cp_layout", "plain"]),
     ("dp2-cp2", 4, ["--parallel.dp", "2", "--parallel.cp", "2"]),
     ("fsdp2", 2, ["--parallel.dp_shard", "2"]),
     ("hsdp-dp2-fsdp2", 4, ["--parallel.dp", "2", "--parallel.dp_shard", "2", "--train.micro_batch_size", "1"]),
@@ -196,6 +198,7 @@ def _bad_layout(rank, world, extra, cache):
 
 @pytest.mark.parametrize("extra,msg", [
     (["--parallel.cp", "2", "--data.seq_len", "30"], "divisible by 2*parallel.cp"),
+    (["--parallel.cp", "2", "--data.seq_len", "31", "--parallel.cp_layout", "plain"], "divisible by parallel.cp"),
     (["--parallel.pp", "2"], "tie_embeddings false"),
     (["--parallel.tp", "2"], "must divide model.n_kv_heads"),
     (["--parallel.tp", "2", "--recipe", "fp8lm-o2", "--model.n_heads", "4", "--model.n_kv_heads", "2"],

@@ -53,6 +53,7 @@ def dataset(tmp_path_factory) -> Path:
     (["--model.preset", "13b"], ["model.preset"]),
     (["--recipe", "fp3"], ["recipe"]),
     (["--train.dtype", "fp16"], ["train.dtype"]),
+    (["--parallel.cp_layout", "ring"], ["parallel.cp_layout", "'ring' is not one of zigzag, plain"]),
     (["--train.batch_size", "6", "--train.micro_batch_size", "4"], ["train.micro_batch_size"]),
     (["--data.val_fraction", "1.5"], ["data.val_fraction"]),
     (["--train.stop_at", "50", "--train.steps", "10"], ["train.stop_at"]),

@@ -1,9 +1,11 @@
 """Context (sequence) parallelism: each of cp ranks holds a slice of every sequence; attention circulates K/V
 around a ring of point-to-point transfers (batch_isend_irecv), so no rank ever holds the whole sequence's K/V.
 
-Causal load balance (zigzag): the sequence is cut into 2·cp chunks and rank r holds chunks r and 2·cp−1−r, so
-every rank has as many unmasked query-key pairs. Positions travel with the shards: RoPE uses them and the causal
-mask compares them.
+The split (parallel.cp_layout): zigzag, for causal load balance, cuts the sequence into 2·cp chunks and rank r
+holds chunks r and 2·cp−1−r, so every rank has as many unmasked query-key pairs; plain gives rank r the contiguous
+chunk r, so its queries see the K/V of ranks 0..r only: the later blocks are fully masked and their products
+skipped (the last rank computes cp blocks, the first one). Positions travel with the shards: RoPE uses them and
+the causal mask compares them.
 
     ring  online softmax (as flash attention across devices): each arriving K/V block updates the output and the
           running log-sum-exp; the next block is in flight while this one is computed. Backward circulates K/V
@@ -28,6 +30,18 @@ def zigzag_positions(seq_len: int, cp: int, rank: int) -> torch.Tensor:
     c = seq_len // (2 * cp)
     first, second = rank * c, (2 * cp - 1 - rank) * c
     return torch.cat([torch.arange(first, first + c), torch.arange(second, second + c)])
+
+
+def shard_positions(seq_len: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """The positions rank `rank` of `cp` holds under `layout`: zigzag, or plain (the contiguous chunk rank of cp)."""
+    if layout == "zigzag":
+        return zigzag_positions(seq_len, cp, rank)
+    if layout != "plain":
+        raise LowbitError(f"parallel.cp_layout: {layout!r} is not one of zigzag, plain")
+    if seq_len % cp:
+        raise LowbitError(f"sequence length {seq_len} must be divisible by cp = {cp}")
+    c = seq_len // cp
+    return torch.arange(rank * c, (rank + 1) * c)
 
 
 SENT = {"bytes": 0}  # what this process's rings put on the wire (the trainer reports and resets it per step)
@@ -61,12 +75,13 @@ class _Ring:
 
 
 def _mask(pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool):
-    """Allowed [Lq, Lk] (None: everything), or False when nothing is (the block is skipped)."""
-    if not causal:
+    """Allowed [Lq, Lk] (None: everything), or False when nothing is (the block is skipped). The extremes decide
+    whole blocks first, so the plain layout's off-diagonal blocks never build an Lq×Lk mask."""
+    if not causal or pos_q.min() >= pos_k.max():
         return None
-    allowed = pos_q[:, None] >= pos_k[None, :]
-    if not allowed.any():
+    if pos_q.max() < pos_k.min():
         return False
+    allowed = pos_q[:, None] >= pos_k[None, :]
     return None if allowed.all() else allowed
 
 
@@ -138,9 +153,8 @@ class RingSelfAttention(torch.autograd.Function):
         for step in range(ring.n):
             src = (ring.r - step) % ring.n
             allowed = _mask(positions[ring.r], positions[src], causal)
-            blocks[src] = _scores(qf, kc.float(), None if allowed is False else allowed, scale)
-            if allowed is False:
-                blocks[src] = torch.full_like(blocks[src], float("-inf"))
+            blocks[src] = (qf.new_full((*qf.shape[:-1], kc.shape[-2]), float("-inf")) if allowed is False
+                           else _scores(qf, kc.float(), allowed, scale))
             if step < ring.n - 1:
                 kc = ring.pass_on([kc])[0]
         p = torch.softmax(torch.cat(blocks, -1), -1)
@@ -184,13 +198,13 @@ class RingSelfAttention(torch.autograd.Function):
 class ContextParallelAttention(nn.Module):
     """The attention core of a context-parallel model: this rank's queries against everyone's keys/values."""
 
-    def __init__(self, group, seq_len: int, impl: str = "ring", causal: bool = True):
+    def __init__(self, group, seq_len: int, impl: str = "ring", causal: bool = True, layout: str = "zigzag"):
         super().__init__()
         if impl not in ("ring", "rsa"):
             raise LowbitError(f"parallel.cp_impl: {impl!r} is not one of ring, rsa")
         self.group, self.impl, self.causal = group, impl, causal
         n = dist.get_world_size(group)
-        self.register_buffer("positions", torch.stack([zigzag_positions(seq_len, n, r) for r in range(n)]),
+        self.register_buffer("positions", torch.stack([shard_positions(seq_len, n, r, layout) for r in range(n)]),
                              persistent=False)
 
     def forward(self, q, k, v, positions=None):
@@ -198,8 +212,8 @@ class ContextParallelAttention(nn.Module):
         return fn.apply(q, k, v, self.positions, self.group, self.causal)
 
 
-def apply_context_parallel(model: nn.Module, group, seq_len: int, impl: str) -> None:
+def apply_context_parallel(model: nn.Module, group, seq_len: int, impl: str, layout: str = "zigzag") -> None:
     """Swap every attention core of a built Llama for the context-parallel one."""
     for m in model.modules():
         if hasattr(m, "core") and hasattr(m, "wq"):
-            m.core = ContextParallelAttention(group, seq_len, impl).to(m.wq.weight.device)
+            m.core = ContextParallelAttention(group, seq_len, impl, layout=layout).to(m.wq.weight.device)

@@ -49,9 +49,11 @@ def check_layout(cfg, args) -> None:
     if p.sequence_parallel and (p.tp == 1 or cfg.data.seq_len % p.tp or p.cp > 1):
         raise LowbitError(f"parallel.sequence_parallel: needs parallel.tp > 1 dividing data.seq_len "
                           f"({cfg.data.seq_len}), and no parallel.cp")
-    if p.cp > 1 and cfg.data.seq_len % (2 * p.cp):
-        raise LowbitError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by 2*parallel.cp ({2 * p.cp}): "
-                          f"each rank takes two zigzag chunks")
+    zigzag = p.cp_layout == "zigzag"
+    if p.cp > 1 and cfg.data.seq_len % ((1 + zigzag) * p.cp):
+        raise LowbitError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by "
+                          + (f"2*parallel.cp ({2 * p.cp}): each rank takes two zigzag chunks" if zigzag else
+                             f"parallel.cp ({p.cp}): each rank takes one chunk (parallel.cp_layout plain)"))
     if p.cp > 1 and args.attention != "sdpa":
         raise LowbitError(f"parallel.cp: context parallelism computes exact attention; model.attention "
                           f"{args.attention} is not supported with it")

@@ -121,8 +121,11 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel degree (stages cut between blocks; train.micro_batch_size sets the "
                      "micro-batches)")
     pp_schedule: str = opt("1f1b", "pipeline schedule: gpipe | 1f1b")
-    cp: int = opt(1, "context-parallel degree (the sequence split, zigzag for causal load balance)")
+    cp: int = opt(1, "context-parallel degree (the sequence split over cp ranks as parallel.cp_layout says)")
     cp_impl: str = opt("ring", "context-parallel attention: ring (online softmax) | rsa (ring self-attention)")
+    cp_layout: str = opt("zigzag", "context-parallel sequence split: zigzag (rank r holds chunks r and 2cp-1-r of "
+                                   "2cp: causal work balanced) | plain (rank r holds chunk r of cp: the last rank "
+                                   "computes cp attention blocks, the first one; fully masked blocks are skipped)")
     zero: int = opt(0, "ZeRO stage over the replicas: 0 | 1 (optimizer states sharded, owners broadcast weights)")
     grad_sync: str = opt("fp32", "data-parallel gradient exchange: fp32 | bf16 | fp8 (FP8 bytes, fp32 sums)")
     grad_sync_format: str = opt("e4m3", "FP8 format of the fp8 gradient exchange: e4m3 | e5m2")
@@ -270,6 +273,7 @@ CHOICES = {
     "model.checkpointing": ("none", "full", "selective"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "parallel.cp_impl": ("ring", "rsa"),
+    "parallel.cp_layout": ("zigzag", "plain"),
     "parallel.zero": (0, 1),
     "parallel.pp_schedule": ("gpipe", "1f1b"),
     "parallel.grad_sync": ("fp32", "bf16", "fp8"),

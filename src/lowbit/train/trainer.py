@@ -21,7 +21,7 @@ import torch
 
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
 from lowbit.distributed import context_parallel, tensor_parallel
-from lowbit.distributed.context_parallel import apply_context_parallel, zigzag_positions
+from lowbit.distributed.context_parallel import apply_context_parallel, shard_positions
 from lowbit.distributed.fsdp import apply_fsdp
 from lowbit.distributed.fsdp_fp8 import precompute_amax
 from lowbit.distributed.grad_sync import GradSync
@@ -233,8 +233,9 @@ def train(cfg: Config) -> dict:
     model_keys = set(model.state_dict())  # the whole model's, before any split: what a checkpoint must hold
     positions = None  # this rank's positions in the sequence, under context parallelism
     if mesh.sizes["cp"] > 1:
-        apply_context_parallel(model, mesh.group("cp"), cfg.data.seq_len, cfg.parallel.cp_impl)
-        positions = zigzag_positions(cfg.data.seq_len, mesh.sizes["cp"], mesh.coords["cp"]).to(device)
+        layout = cfg.parallel.cp_layout
+        apply_context_parallel(model, mesh.group("cp"), cfg.data.seq_len, cfg.parallel.cp_impl, layout)
+        positions = shard_positions(cfg.data.seq_len, mesh.sizes["cp"], mesh.coords["cp"], layout).to(device)
     tp_group = mesh.group("tp")
     if tp_group is not None:
         apply_tensor_parallel(model, tp_group)
@@ -363,7 +364,7 @@ def train(cfg: Config) -> dict:
             context_parallel.SENT["bytes"] = tensor_parallel.SENT["bytes"] = 0
             if zero is not None:
                 zero.bytes_sent = 0
-            if positions is not None:  # this rank's zigzag shard of every sequence
+            if positions is not None:  # this rank's shard of every sequence (parallel.cp_layout)
                 x, y = x[:, positions.cpu()], y[:, positions.cpu()]
             if pipe is not None:  # the schedule runs every micro-batch through every stage, backward included
                 with autocast():
