@@ -1,5 +1,5 @@
 """What the model keeps for backward outside its linears, stored compressed (COAT, Xi et al. 2024): SwiGLU's two
-inputs and the block norms' inputs as E4M3 with one scale per row (token). A recipe turns it on
+inputs and the norms' inputs as E4M3 with one scale per row (token). A recipe turns it on
 (`Recipe.saved_activations`); the model's SwiGLU and RMSNorm take any codec (pack / unpack) and know no format.
 
 Forward is unchanged; backward computes with the dequantized inputs, so gradients are approximate (docs/numerics.md).
@@ -33,13 +33,13 @@ class RowScaledCodec:
 
 
 def compress_saved_activations(model: nn.Module, spec: Scaling, skip=lambda name: False) -> list[str]:
-    """Give every module of the transformer blocks that takes a codec (SwiGLU, the block norms) one for `spec`;
-    `skip(name)` leaves a module exact. Returns the names of those that got one."""
+    """Give every module that takes a codec (SwiGLU, the norms) one for `spec`; `skip(name)` leaves a module
+    exact. Returns the names of those that got one."""
     if spec.granularity != "row":
         raise ValueError(f"saved activations are scaled per row, not per {spec.granularity}")
     codec, names = RowScaledCodec(spec), []
     for name, m in model.named_modules():
-        if hasattr(m, "codec") and name.startswith("layers.") and not skip(name):
+        if hasattr(m, "codec") and not skip(name):
             m.codec = codec
             names.append(name)
     return names

@@ -26,7 +26,7 @@ class Recipe:
     min_dim: int = 0  # linears with in or out features below this stay high precision (too small to gain)
     optim: StatePrecision = StatePrecision()  # storage of the covered weights and their optimizer states
     needs_grad_clip: bool = False  # the recipe is only stable with gradient clipping (train.grad_clip > 0)
-    # SwiGLU's and the block norms' inputs kept for backward in this format, a scale per token (COAT); None: as
+    # SwiGLU's and the norms' inputs kept for backward in this format, a scale per token (COAT); None: as
     # computed. Less activation memory, approximate gradients (lowbit.activations).
     saved_activations: Scaling | None = None
 
@@ -52,7 +52,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("bf16", "baseline: every linear computes in train.dtype (bf16 autocast on GPU)"),
     Recipe("fp8-tensorwise", "FP8, one current scale per tensor: E4M3 forward, E5M2 gradients (torchao tensorwise)",
            _fp8(Scaling("e4m3"), Scaling("e4m3"), Scaling("e5m2"))),
-    Recipe("fp8-tensorwise-coat", "fp8-tensorwise + SwiGLU and block-norm inputs kept for backward as E4M3 with a "
+    Recipe("fp8-tensorwise-coat", "fp8-tensorwise + SwiGLU and RMSNorm inputs kept for backward as E4M3 with a "
            "scale per token (COAT-style activation compression; approximate gradients)",
            _fp8(Scaling("e4m3"), Scaling("e4m3"), Scaling("e5m2")), saved_activations=Scaling("e4m3", "row")),
     Recipe("fp8-delayed", "FP8 with delayed scaling, amax history 1024 (max), TransformerEngine DelayedScaling HYBRID",
@@ -126,9 +126,11 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     report = {"converted": [], "kept": []}
     n_layers = len(model.layers) if hasattr(model, "layers") else None
     if recipe.saved_activations is not None:
-        edge = ("layers.0.", f"layers.{n_layers - 1}.") if recipe.keep_first_last and n_layers else ()
-        report["compressed"] = compress_saved_activations(model, recipe.saved_activations,
-                                                          skip=lambda name: edge and name.startswith(edge))
+        # keep_first_last: the edge blocks, and the final norm outside them, stay exact
+        edge = ("layers.0.", f"layers.{n_layers - 1}.") if n_layers else ()
+        skip = (lambda name: name.startswith(edge) or not name.startswith("layers.")) if recipe.keep_first_last \
+            else (lambda name: False)
+        report["compressed"] = compress_saved_activations(model, recipe.saved_activations, skip)
     if recipe.linear is None:
         return report
     chosen = [(name, m) for name, m in model.named_modules()
