@@ -216,13 +216,14 @@ def test_rmsnorm_hand_written_backward_matches_autograd(dtype):
     assert any(t is x for t in saved)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_mul_keeps_two_tensors_and_autograds_gradients(dtype):
+@pytest.mark.parametrize("dtype_a,dtype_b", [(torch.float32,) * 2, (torch.bfloat16,) * 2,
+                                             (torch.bfloat16, torch.float32)])
+def test_silu_mul_keeps_two_tensors_and_autograds_gradients(dtype_a, dtype_b):
     from lowbit.models.llama import SwiGLU
 
     torch.manual_seed(0)
-    a, b = (torch.randn(4, 5, 64) * 4).to(dtype), torch.randn(4, 5, 64).to(dtype)
-    dy = torch.randn(4, 5, 64).to(dtype)
+    a, b = (torch.randn(4, 5, 64) * 4).to(dtype_a), torch.randn(4, 5, 64).to(dtype_b)
+    dy = torch.randn(4, 5, 64).to(torch.promote_types(dtype_a, dtype_b))
     y, grads = _grads(SwiGLU(), dy, a, b)
     y_ref, grads_ref = _grads(lambda a, b: torch.nn.functional.silu(a) * b, dy, a, b)
     assert torch.equal(y, y_ref)

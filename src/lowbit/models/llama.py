@@ -203,8 +203,9 @@ class _SiluMul(torch.autograd.Function):
         saved, n = ctx.saved_tensors, ctx.n_a
         a, b = (ctx.codec.unpack(*saved[:n], ctx.dtypes[0]), ctx.codec.unpack(*saved[n:], ctx.dtypes[1])) \
             if ctx.codec else saved
-        da = torch.ops.aten.silu_backward(dy * b, a) if ctx.needs_input_grad[0] else None
-        db = dy * F.silu(a) if ctx.needs_input_grad[1] else None
+        # each product cast to its input's dtype, as autograd's mul backward does
+        da = torch.ops.aten.silu_backward((dy * b).to(a.dtype), a) if ctx.needs_input_grad[0] else None
+        db = (dy * F.silu(a)).to(b.dtype) if ctx.needs_input_grad[1] else None
         return da, db, None
 
 
