@@ -8,6 +8,7 @@ from dataclasses import dataclass, replace
 
 from torch import nn
 
+from lowbit.activations import compress_saved_activations
 from lowbit.errors import LowbitError
 from lowbit.fp4 import DGE, OCC, check_fp4_dims
 from lowbit.linear import LinearRecipe, LowPrecisionLinear
@@ -25,6 +26,9 @@ class Recipe:
     min_dim: int = 0  # linears with in or out features below this stay high precision (too small to gain)
     optim: StatePrecision = StatePrecision()  # storage of the covered weights and their optimizer states
     needs_grad_clip: bool = False  # the recipe is only stable with gradient clipping (train.grad_clip > 0)
+    # SwiGLU's and the norms' inputs kept for backward in this format, a scale per token (COAT); None: as
+    # computed. Less activation memory, approximate gradients (lowbit.activations).
+    saved_activations: Scaling | None = None
 
 
 def _fp8(inp: Scaling, weight: Scaling, grad: Scaling, **kw) -> LinearRecipe:
@@ -48,6 +52,9 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("bf16", "baseline: every linear computes in train.dtype (bf16 autocast on GPU)"),
     Recipe("fp8-tensorwise", "FP8, one current scale per tensor: E4M3 forward, E5M2 gradients (torchao tensorwise)",
            _fp8(Scaling("e4m3"), Scaling("e4m3"), Scaling("e5m2"))),
+    Recipe("fp8-tensorwise-coat", "fp8-tensorwise + SwiGLU and RMSNorm inputs kept for backward as E4M3 with a "
+           "scale per token (COAT-style activation compression; approximate gradients)",
+           _fp8(Scaling("e4m3"), Scaling("e4m3"), Scaling("e5m2")), saved_activations=Scaling("e4m3", "row")),
     Recipe("fp8-delayed", "FP8 with delayed scaling, amax history 1024 (max), TransformerEngine DelayedScaling HYBRID",
            _fp8(Scaling("e4m3", **_TE_DELAYED), Scaling("e4m3", **_TE_DELAYED), Scaling("e5m2", **_TE_DELAYED))),
     Recipe("fp8lm", "FP8-LM/MS-AMP windows: input and output-grad history 16, weight current, power-of-two scales",
@@ -114,11 +121,18 @@ def covered_linears(model: nn.Module, recipe: Recipe) -> list[str]:
 
 def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     """Swap eligible nn.Linear modules of `model` (in place) for LowPrecisionLinear with the recipe's numerics.
-    Returns {"converted": [names], "kept": ["name (reason)"]}. Embeddings are not linears and stay as they are."""
+    Returns {"converted": [names], "kept": ["name (reason)"]} (and "compressed": the modules whose saved activations
+    the recipe stores compressed). Embeddings are not linears and stay as they are."""
     report = {"converted": [], "kept": []}
+    n_layers = len(model.layers) if hasattr(model, "layers") else None
+    if recipe.saved_activations is not None:
+        # keep_first_last: the edge blocks, and the final norm outside them, stay exact
+        edge = ("layers.0.", f"layers.{n_layers - 1}.") if n_layers else ()
+        skip = (lambda name: name.startswith(edge) or not name.startswith("layers.")) if recipe.keep_first_last \
+            else (lambda name: False)
+        report["compressed"] = compress_saved_activations(model, recipe.saved_activations, skip)
     if recipe.linear is None:
         return report
-    n_layers = len(model.layers) if hasattr(model, "layers") else None
     chosen = [(name, m) for name, m in model.named_modules()
               if type(m) is nn.Linear and _kept(name, m, recipe, n_layers) is None]
     lin = recipe.linear

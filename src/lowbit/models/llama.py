@@ -94,17 +94,45 @@ def resolve_model_args(model_cfg, vocab_size: int, seq_len: int) -> ModelArgs:
     return ModelArgs(**{k: v for k, v in dict(p, max_seq_len=max_seq_len).items() if k in names})
 
 
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x * rstd), rstd = 1/sqrt(mean(x²) + eps) per row, in fp32 whatever x's dtype (the mean of squares
+    loses too much in bf16). Autograd of that formula keeps fp32 copies of x and of the normalized rows; this keeps
+    x as it came (through `codec`, if one is set: see SwiGLU) and the fp32 rstd of each row."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, codec=None):
+        h = x.float()
+        rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.codec, ctx.x_dtype = codec, x.dtype
+        ctx.save_for_backward(rstd, weight, *(codec.pack(x) if codec else (x,)))
+        return weight * (h * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        rstd, weight, *packed = ctx.saved_tensors
+        x = ctx.codec.unpack(*packed, ctx.x_dtype) if ctx.codec else packed[0]
+        h = x.float()
+        n = (h * rstd).to(x.dtype)
+        dx = dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (dy.float() * n.float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[0]:
+            # autograd rounds d(normalized) to x's dtype before the fp32 part (the cast's backward): so do we
+            dn = (dy * weight).to(x.dtype).float()
+            dot = (dn * h).sum(-1, keepdim=True)
+            dx = (dn * rstd - h * (rstd.pow(3) * dot / h.shape[-1])).to(x.dtype)
+        return dx, dw, None, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.codec = None  # how x is kept for backward (None: as it came); a numerics recipe may set one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalize in fp32 whatever the compute dtype: the mean of squares loses too much in bf16.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return _RMSNorm.apply(x, self.weight, self.eps, self.codec)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,6 +186,42 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(B, L, -1))
 
 
+class _SiluMul(torch.autograd.Function):
+    """silu(a) * b. Autograd keeps a, silu(a) and b; this keeps a and b and recomputes silu(a) in backward. Its
+    gradients are autograd's own kernels on the same values, so they are equal to the plain formula's."""
+
+    @staticmethod
+    def forward(ctx, a, b, codec=None):
+        ctx.codec, ctx.dtypes = codec, (a.dtype, b.dtype)
+        pa, pb = (codec.pack(a), codec.pack(b)) if codec else ((a,), (b,))
+        ctx.n_a = len(pa)
+        ctx.save_for_backward(*pa, *pb)
+        return F.silu(a) * b
+
+    @staticmethod
+    def backward(ctx, dy):
+        saved, n = ctx.saved_tensors, ctx.n_a
+        a, b = (ctx.codec.unpack(*saved[:n], ctx.dtypes[0]), ctx.codec.unpack(*saved[n:], ctx.dtypes[1])) \
+            if ctx.codec else saved
+        # each product cast to its input's dtype, as autograd's mul backward does
+        da = torch.ops.aten.silu_backward((dy * b).to(a.dtype), a) if ctx.needs_input_grad[0] else None
+        db = (dy * F.silu(a)).to(b.dtype) if ctx.needs_input_grad[1] else None
+        return da, db, None
+
+
+class SwiGLU(nn.Module):
+    """silu(a) * b, keeping only a and b for backward. `codec` (None: kept as they are) is how a numerics recipe may
+    store them instead (an object with pack(t) -> tensors and unpack(*tensors, dtype) -> t; lowbit.activations);
+    this model knows no format."""
+
+    def __init__(self):
+        super().__init__()
+        self.codec = None
+
+    def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return _SiluMul.apply(a, b, self.codec)
+
+
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x)."""
 
@@ -166,9 +230,10 @@ class FeedForward(nn.Module):
         self.w1 = nn.Linear(a.dim, a.ffn_dim, bias=False)
         self.w3 = nn.Linear(a.dim, a.ffn_dim, bias=False)
         self.w2 = nn.Linear(a.ffn_dim, a.dim, bias=False)
+        self.act = SwiGLU()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.w2(self.act(self.w1(x), self.w3(x)))
 
 
 class Block(nn.Module):
