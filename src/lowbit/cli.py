@@ -18,7 +18,7 @@ commands:
   export-hf RUN_DIR OUT_DIR                       write a HF transformers LlamaForCausalLM directory
   recipes                                         list the numerics recipes
   inspect RUN_DIR                                 numerics telemetry: heatmaps and the worst layers
-  compare --recipes A,B,... [--out DIR] [CONFIG.toml] [--section.key=value ...]
+  compare --recipes A,B,... [--out DIR] [--devices D,...] [CONFIG.toml] [--section.key=value ...]
                                                   train under each recipe, then losses, gaps and telemetry side by side
   bench {gemm,linear,mlp,block,step,memory} [...]  bf16 vs lowbit recipes vs torchao float8: tables + JSON
 

@@ -1,0 +1,56 @@
+"""docs/convergence.md's tables and plot from the study's run dirs (benchmarks/convergence_study.sh), unpacked here.
+Uses `lowbit compare`'s own reading, table and plot; adds what compare cannot: runs cut short, and the validation
+loss of every run at common steps (so a run that stopped early is still compared at the steps it reached).
+
+  python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR]
+"""
+
+import argparse
+import json
+from pathlib import Path
+
+from lowbit.recipes import RECIPES
+from lowbit.tools.compare import _gap, plot, read_run, table
+
+p = argparse.ArgumentParser()
+p.add_argument("runs", type=Path)
+p.add_argument("--eager", type=Path, help="run dirs of the eager call (shown as '<recipe> (eager)')")
+p.add_argument("--out", type=Path, default=Path("."))
+p.add_argument("--device", default="NVIDIA H200")
+a = p.parse_args()
+
+compiled = json.loads((a.runs / "compare.json").read_text())  # the compiled call's report: torch, command
+runs = {}
+for d in sorted(x for x in a.runs.iterdir() if (x / "metrics.jsonl").is_file()):
+    runs[d.name] = read_run(d, RECIPES[d.name].linear is not None)
+if a.eager:
+    for d in sorted(x for x in a.eager.iterdir() if (x / "metrics.jsonl").is_file()):
+        runs[f"{d.name} (eager)"] = read_run(d, RECIPES[d.name].linear is not None)
+order = [r for r in ("bf16", "fp8-tensorwise", "fp8-delayed", "fp8lm-o2", "nanotron-r2", "fp4") if r in runs]
+order += [r for r in runs if r not in order]
+base = runs["bf16"]
+report = {"device": a.device, "torch": compiled["torch"], "date": compiled["date"],
+          "command": compiled["command"].split(" --recipes ")[0] + " --recipes " + ",".join(
+              r for r in order if "eager" not in r) + " --devices ..." + compiled["command"].split("--out")[1][
+              len(" /tmp/study/runs"):],
+          "baseline": "bf16", "last_n": compiled["last_n"], "runs": []}
+for r in order:
+    run = runs[r]
+    report["runs"].append({"recipe": r, "this_session": "train", **run,
+                           "train_gap_pct": _gap(run["train_loss"], base["train_loss"]),
+                           "val_gap_pct": _gap(run["val_loss"], base["val_loss"])})
+a.out.mkdir(parents=True, exist_ok=True)
+plot(report, a.out / "convergence.png")
+print(table(report))
+# validation loss at common steps
+steps = [s for s, _ in base["val"]]
+print("\n| step | " + " | ".join(order) + " |\n|---:|" + "---:|" * len(order))
+for s in steps:
+    ref = dict(base["val"])[s]
+    cells = []
+    for r in order:
+        v = dict(runs[r]["val"]).get(s)
+        cells.append("—" if v is None else f"{v:.4f}" + ("" if r == "bf16" else f" ({_gap(v, ref):+.2f}%)"))
+    print(f"| {s} | " + " | ".join(cells) + " |")
+slim = {**report, "runs": [{k: v for k, v in r.items() if k != "run_dir"} for r in report["runs"]]}
+(a.out / "convergence.json").write_text(json.dumps(slim, indent=0))
