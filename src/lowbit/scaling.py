@@ -21,6 +21,8 @@ An amax that is 0, NaN or Inf keeps the previous scale (1 where there is none) a
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -123,14 +125,16 @@ def scale_from_amax(amax: torch.Tensor, s: Scaling, fallback: torch.Tensor | flo
                                                                                                   torch.Tensor]:
     """(scale, bad) where bad marks groups whose amax was 0, NaN or Inf and that kept `fallback`."""
     fmt = s.format
-    bad = ~torch.isfinite(amax) | (amax <= 0)
-    safe = torch.where(bad, torch.ones_like(amax), amax)
-    scale = (fmt.max / safe) * 2.0 ** (-s.margin)
+    # amax > 0 is false for NaN too: two comparisons cover 0, NaN and ±Inf (this runs for every cast, eagerly a
+    # kernel per op, so the op count matters)
+    bad = ~((amax > 0) & (amax < math.inf))
+    scale = fmt.max / amax  # inf or NaN where bad: replaced by the fallback at the end
+    if s.margin:
+        scale = scale * 2.0 ** (-s.margin)
     if s.power_of_two:
         scale = torch.exp2(torch.floor(torch.log2(scale)))
     # fp32 scale can overflow to inf for tiny amax (e.g. 1e-40): clamp into the finite range
     scale = scale.clamp(max=torch.finfo(torch.float32).max)
-    fallback = torch.as_tensor(fallback, dtype=scale.dtype, device=scale.device)
     return torch.where(bad, fallback, scale), bad
 
 
@@ -174,7 +178,7 @@ class ScalingState(nn.Module):
         if s.strategy == "current":
             scale, bad = scale_from_amax(amax, s, fallback=self.scale if s.granularity == "tensor" else 1.0)
             if update:
-                self.observe(amax, bad.sum())
+                self.observe(amax, bad.sum(), scale)
             return scale
         # delayed: cast with the scale derived from past steps, then fold this amax into the history. With no
         # history yet (the first step), cast with the current amax instead of TransformerEngine's initial scale
@@ -187,14 +191,16 @@ class ScalingState(nn.Module):
         return scale
 
     @torch.no_grad()
-    def observe(self, amax: torch.Tensor, bad_groups: torch.Tensor) -> None:
-        """Account for one cast: `amax` (tensor granularity) and how many groups had a bad amax."""
+    def observe(self, amax: torch.Tensor, bad_groups: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        """Account for one cast: `amax` (tensor granularity), how many groups had a bad amax, and the scale that
+        amax gives with this state's fallback, if the caller has it already."""
         s = self.spec
         if s.strategy == "delayed":
             self.record(amax)
             return
         if s.granularity == "tensor":
-            scale, _ = scale_from_amax(amax, s, fallback=self.scale)
+            if scale is None:
+                scale, _ = scale_from_amax(amax, s, fallback=self.scale)
             self.scale.copy_(scale)
             self.amax_history[0] = amax
         self.updates += 1
