@@ -86,19 +86,19 @@ class Scaling:
 def group_amax(x: torch.Tensor, s: Scaling) -> torch.Tensor:
     """amax of each scaling group of a 2-D tensor, shaped to broadcast against the *padded* tiles:
     [] (tensor), [M, 1] (row), [1, K] (column), [ceil(M/r), ceil(K/c)] (block, mx)."""
-    a = x.detach().abs().float()
+    a = x.detach().abs()  # a max is one of its inputs, exact in x's dtype: fp32 only after the reduction
     g = s.granularity
     if g == "tensor":
-        return a.amax()
+        return a.amax().float()
     if g == "row":
-        return a.amax(dim=-1, keepdim=True)
+        return a.amax(dim=-1, keepdim=True).float()
     if g == "column":
-        return a.amax(dim=0, keepdim=True)
+        return a.amax(dim=0, keepdim=True).float()
     r, c = s.group
     M, K = a.shape
     pad = (0, (-K) % c, 0, (-M) % r)
     a = nn.functional.pad(a, pad)  # zeros do not change an amax
-    return a.view(a.shape[0] // r, r, a.shape[1] // c, c).amax(dim=(1, 3))
+    return a.view(a.shape[0] // r, r, a.shape[1] // c, c).amax(dim=(1, 3)).float()
 
 
 def all_max(amax: torch.Tensor, group) -> torch.Tensor:
