@@ -76,6 +76,24 @@ def test_bad_amax_keeps_previous_scale_and_is_counted(bad):
         assert used == before  # current: the bad tensor is cast with the previous scale
 
 
+def test_bad_amaxes_per_group_get_the_fallback_and_good_ones_a_finite_scale():
+    amax = torch.tensor([[0.0], [-0.0], [math.nan], [math.inf], [-math.inf], [1e-45], [448.0]])
+    scale, bad = scale_from_amax(amax, Scaling("e4m3", "row"), fallback=torch.tensor(3.0))
+    assert bad.view(-1).tolist() == [True, True, True, True, True, False, False]
+    assert scale.view(-1).tolist()[:5] == [3.0] * 5 and scale[5].item() == torch.finfo(torch.float32).max
+    assert scale[6].item() == 1.0
+
+
+def test_amax_of_low_precision_input_is_fp32_and_exact():
+    x = (torch.randn(64, 96) * 100).bfloat16()
+    x[5, 7] = math.nan
+    for spec in (Scaling("e4m3"), Scaling("e4m3", "row"), Scaling("e4m3", "block", (32, 32))):
+        amax = group_amax(x, spec)
+        assert amax.dtype == torch.float32
+        ref = group_amax(x.float(), spec)
+        assert torch.equal(amax.isnan(), ref.isnan()) and torch.equal(amax.nan_to_num(), ref.nan_to_num())
+
+
 def test_granularity_shapes_and_padding():
     x = torch.arange(1, 5 * 300 + 1, dtype=torch.float32).view(5, 300)
     assert group_amax(x, Scaling("e4m3")).shape == ()
