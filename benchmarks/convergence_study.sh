@@ -46,6 +46,7 @@ ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.s
       --train.eval_batches=8 --train.log_every=16 --numerics.telemetry_every=64 --run.plot=false
       --train.compile="${COMPILE:-false}")
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
+[ "$LEFT" -gt 60 ] || { echo "no time left for training after preparing the data ($LEFT s)"; exit 1; }
 echo "COMMAND: lowbit compare --recipes $RECIPES --devices $DEVICES --out runs/study ${ARGS[*]}"
 timeout -s TERM -k 60 "$LEFT" python3 -m lowbit compare --recipes "$RECIPES" --devices "$DEVICES" --out "$W/runs" \
     "${ARGS[@]}"

@@ -81,8 +81,36 @@ def test_compare_on_devices_runs_each_recipe_in_its_own_process(compared, tmp_pa
     assert json.loads((out / "compare.json").read_text())["runs"][1]["val_loss"] is not None
     code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--devices", "cpu", *ARGS)
     assert code == 0 and text.count("skipped, finished run") == 2 and " on cpu" not in text
-    code, _, err = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--devices", "gpu0", *ARGS)
-    assert code == 2 and "'gpu0' is not cpu, cuda or cuda:N" in err
+    for args, message in ((["--devices", "gpu0"], "'gpu0' is not cpu, cuda or cuda:N"),
+                          (["--devices", "cpu,cuda:0"], "mixes cpu and cuda"),
+                          (["--devices", "cpu", "--run.device", "cpu"], "give one")):
+        code, _, err = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, *args, *ARGS)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+
+
+def test_compare_on_devices_passes_a_signal_to_its_runs(tmp_path):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out, args = tmp_path / "out", ["--recipes", "bf16", "--devices", "cpu", *SMALL, "--train.steps", "400",
+                                   "--train.log_every", "1", "--train.eval_every", "0"]
+    parent = subprocess.Popen([sys.executable, "-m", "lowbit", "compare", "--out", str(out), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    log, deadline = out / "bf16.log", time.monotonic() + 120
+    while not (log.exists() and "step" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.2)  # the child is in its training loop
+    parent.send_signal(signal.SIGTERM)
+    _, err = parent.communicate(timeout=120)
+    assert parent.returncode == 2 and "stopped by a signal" in err, err
+    assert "stopped by signal after step" in log.read_text() and not (out / ".bf16.toml").exists()
+    stopped_at = max(losses(out / "bf16"))
+    assert 0 < stopped_at < 400  # the child stopped early, with a checkpoint that compare resumes from
+    done = subprocess.run([sys.executable, "-m", "lowbit", "compare", "--out", str(out), *args,
+                           "--train.stop_at", str(stopped_at + 2)], capture_output=True, text=True, env=os.environ)
+    assert done.returncode == 0 and "bf16: resuming" in done.stdout, done.stderr
 
 
 def test_compare_on_devices_reports_a_failed_run(tmp_path, capsys):

@@ -3,8 +3,9 @@ around a ring of point-to-point transfers (batch_isend_irecv), so no rank ever h
 
 The split (parallel.cp_layout): zigzag, for causal load balance, cuts the sequence into 2·cp chunks and rank r
 holds chunks r and 2·cp−1−r, so every rank has as many unmasked query-key pairs; plain gives rank r the contiguous
-chunk r, so its queries see the K/V of ranks 0..r only: the later blocks are fully masked and their products
-skipped (the last rank computes cp blocks, the first one). Positions travel with the shards: RoPE uses them and
+chunk r, so its queries see the K/V of ranks 0..r only: the later blocks are fully masked (ring skips them: the
+last rank computes cp blocks, the first one; rsa skips only their QKᵀ, not the products with V nor the backward).
+Positions travel with the shards: RoPE uses them and
 the causal mask compares them.
 
     ring  online softmax (as flash attention across devices): each arriving K/V block updates the output and the

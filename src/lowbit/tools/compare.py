@@ -27,8 +27,8 @@ from lowbit.errors import LowbitError
 
 LAST_N = 10  # the final training loss is the mean of the last LAST_N steps: one batch's loss is noisy
 # Keys that may differ between the config a run was started with and the one that continues it.
-# run.device: --devices may put a resumed run on another GPU than the one it started on
-CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir", "run.device")
+CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir")
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
 SAY = {"train": "training in", "skip": "skipped, finished run in", "resume": "resuming", "restart":
        "restarting (stopped before its first checkpoint)"}
 
@@ -53,6 +53,8 @@ def parse_devices(text: str) -> list[str]:
     for d in devices:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", d):
             raise LowbitError(f"compare: --devices: {d!r} is not cpu, cuda or cuda:N")
+    if len({d.split(":")[0] for d in devices}) > 1:  # train.dtype auto would differ: fp32 on cpu, bf16 on cuda
+        raise LowbitError(f"compare: --devices: {text!r} mixes cpu and cuda; the runs would train in other dtypes")
     return devices
 
 
@@ -68,7 +70,7 @@ def parse_recipes(text: str) -> list[str]:
     return names
 
 
-def configs(recipes: list[str], train_args: list[str], out: Path) -> dict:
+def configs(recipes: list[str], train_args: list[str], out: Path, devices: list[str] = ()) -> dict:
     """The config of each run: the user's, with the recipe and run dir set; all validated before any training."""
     from lowbit.train.config import load_config, parse_overrides
 
@@ -77,13 +79,24 @@ def configs(recipes: list[str], train_args: list[str], out: Path) -> dict:
     for key, _ in parse_overrides(list(overrides)):
         if key in ("recipe", "run.dir", "run.resume"):
             raise LowbitError(f"compare: --{key} is set by compare for each run (--recipes, --out)")
+        if key == "run.device" and devices:
+            raise LowbitError("compare: --run.device and --devices both say where to train; give one")
     return {r: load_config(path, [*overrides, f"--recipe={r}", f"--run.dir={out / r}"]) for r in recipes}
 
 
 def _flat_config(text: str) -> dict:
     from lowbit.train.config import _flatten, tomllib
 
-    return {k: v for k, v in _flatten(tomllib.loads(text)) if k not in CONTINUATION_KEYS}
+    flat = {k: v for k, v in _flatten(tomllib.loads(text)) if k not in CONTINUATION_KEYS}
+    if "run.device" in flat:  # another GPU may resume a run (--devices), not another kind of device (dtype auto)
+        flat["run.device"] = _device_kind(flat["run.device"])
+    return flat
+
+
+def _device_kind(device: str) -> str:
+    import torch
+
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device.split(":")[0]
 
 
 def plan(cfg) -> str:
@@ -135,17 +148,17 @@ def run_concurrently(cfgs: dict, actions: dict, devices: list[str], out: Path) -
 
     out.mkdir(parents=True, exist_ok=True)
     pending = [r for r in cfgs if actions[r] != "skip"]
-    free, running, failed = list(devices), {}, []
+    free, running, failed, stopped = list(devices), {}, [], []
 
-    def stop(sig, _frame):
+    def stop(sig, _frame):  # no exception here: this process goes on waiting for every child it started
+        stopped.append(sig)
         for proc in running:
             proc.send_signal(sig)
-        raise KeyboardInterrupt
 
-    old = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    old = {sig: signal.signal(sig, stop) for sig in SIGNALS}
     try:
-        while pending or running:
-            while pending and free:
+        while (pending and not stopped) or running:
+            while pending and free and not stopped:
                 r, device = pending.pop(0), free.pop(0)
                 cfg = cfgs[r]
                 cfg.run.device = device
@@ -156,25 +169,26 @@ def run_concurrently(cfgs: dict, actions: dict, devices: list[str], out: Path) -
                     proc = subprocess.Popen([sys.executable, "-m", "lowbit", "train", str(launch)], stdout=log,
                                             stderr=subprocess.STDOUT)
                 running[proc] = (r, device, time.monotonic())
+                if stopped:  # the signal came while this child was being started: it has not heard it yet
+                    proc.send_signal(stopped[-1])
                 print(f"lowbit compare: {r}: {SAY[actions[r]]} {cfg.run.dir} on {device} (log {out / r}.log)",
                       flush=True)
             time.sleep(0.5)
             for proc in [p for p in running if p.poll() is not None]:
                 r, device, t0 = running.pop(proc)
                 free.append(device)
-                (out / f".{r}.toml").unlink(missing_ok=True)
                 print(f"lowbit compare: {r}: {'finished' if proc.returncode == 0 else 'FAILED'} after "
                       f"{time.monotonic() - t0:.0f} s (exit {proc.returncode})", flush=True)
                 if proc.returncode:
                     failed.append(r)
-    except KeyboardInterrupt:
-        for proc in running:
-            proc.wait()
-        raise LowbitError("compare: interrupted; each unfinished run stopped with a checkpoint: run the same "
-                          "command again to resume") from None
     finally:
         for sig, handler in old.items():
             signal.signal(sig, handler)
+        for r in cfgs:
+            (out / f".{r}.toml").unlink(missing_ok=True)
+    if stopped:
+        raise LowbitError(f"compare: stopped by a signal ({', '.join(failed) or 'no run'} ended with an error; "
+                          f"a run in its training loop stops with a checkpoint): run the same command to go on")
     if failed:
         logs = ", ".join(str(out / f"{r}.log") for r in failed)
         raise LowbitError(f"compare: {', '.join(failed)} failed: see the end of {logs}")
@@ -280,7 +294,7 @@ def run(a: argparse.Namespace) -> int:
     recipes = parse_recipes(a.recipes)
     devices = parse_devices(a.devices)
     out = Path(a.out)
-    cfgs = configs(recipes, a.train, out)
+    cfgs = configs(recipes, a.train, out, devices)
     actions = {r: plan(cfg) for r, cfg in cfgs.items()}  # every run dir checked before anything trains
     for r, cfg in cfgs.items():
         if actions[r] == "skip" or not devices:

@@ -125,7 +125,7 @@ class ParallelConfig:
     cp_impl: str = opt("ring", "context-parallel attention: ring (online softmax) | rsa (ring self-attention)")
     cp_layout: str = opt("zigzag", "context-parallel sequence split: zigzag (rank r holds chunks r and 2cp-1-r of "
                                    "2cp: causal work balanced) | plain (rank r holds chunk r of cp: the last rank "
-                                   "computes cp attention blocks, the first one; fully masked blocks are skipped)")
+                                   "computes cp attention blocks, the first one; ring skips fully masked blocks, rsa only their QK^T)")
     zero: int = opt(0, "ZeRO stage over the replicas: 0 | 1 (optimizer states sharded, owners broadcast weights)")
     grad_sync: str = opt("fp32", "data-parallel gradient exchange: fp32 | bf16 | fp8 (FP8 bytes, fp32 sums)")
     grad_sync_format: str = opt("e4m3", "FP8 format of the fp8 gradient exchange: e4m3 | e5m2")
