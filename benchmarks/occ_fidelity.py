@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from lowbit.fp4 import OCC, abs_quantile, occ_split
+from lowbit.fp4 import OCC, abs_quantile, occ_residual, occ_split
 from lowbit.qtensor import quantize
 from lowbit.scaling import Scaling
 
@@ -44,7 +44,8 @@ def table(x: torch.Tensor, w: torch.Tensor) -> list[dict]:
         if alpha is None:
             clamped, residual = x, None
         else:
-            clamped, residual = occ_split(x, OCC(alpha, "exact"))
+            clamped, idx, val = occ_split(x, OCC(alpha, "exact"))
+            residual = occ_residual(idx, val, x.shape)
         xq = quantize(clamped, FP4_ROW).dequantize()
         seen = xq + residual.to_dense() if comp else xq  # the activation the layer effectively multiplies
         y = xq @ qw.t() + (torch.sparse.mm(residual, w.t()) if comp else 0)

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.fp4 import DGE, OCC, abs_quantile, dge_factor, dge_surrogate, occ_split
+from lowbit.fp4 import (DGE, OCC, abs_quantile, dge_factor, dge_surrogate, occ_capacity, occ_mm, occ_residual,
+                        occ_split, occ_wgrad)
 from lowbit.formats import FORMATS
 
 GRID = FORMATS["e2m1"]
@@ -72,8 +73,9 @@ def test_fp4_forward_and_backward_against_a_reference():
             y = layer(xi)
             y.backward(up)
             out[occ is not None, dge is not None] = (y.detach(), xi.grad, layer.weight.grad)
-    clamped, residual = occ_split(x, OCC(0.99, "exact"))
-    dense = residual.to_dense()
+    q = abs_quantile(x, 0.99, "exact")  # the reference is dense: a dropped or wrong compensation shows
+    clamped = x.clamp(-q, q)
+    dense = x - clamped
     f4, g8 = Scaling("e2m1", "row"), Scaling("e4m3", "row")
     qx, qw = quantize(clamped, f4), quantize(w, f4)
     torch.testing.assert_close(out[True, False][0], scaled_matmul(qx, qw) + dense @ w.t(), rtol=1e-5, atol=1e-5)
@@ -97,18 +99,53 @@ def test_sampled_quantile_sees_every_channel():
             assert 0.007 < clamped < 0.013, (channels, method, clamped)
 
 
-def test_occ_residual_is_sparse_and_equals_the_dense_computation():
+def test_occ_residual_is_compact_and_equals_the_dense_computation():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(512, 256, generator=g) / torch.rand(512, 256, generator=g).clamp(min=0.05)  # heavy tails
     w = torch.randn(128, 256, generator=g)
+    dy = torch.randn(512, 128, generator=g)
     for alpha in (0.999, 0.99, 0.97):
-        clamped, residual = occ_split(x, OCC(alpha, "exact"))
-        assert residual.is_sparse
-        assert abs(residual._nnz() / x.numel() - (1 - alpha)) < 0.1 * (1 - alpha) + 1e-3
-        torch.testing.assert_close(residual.to_dense(), x - clamped)
-        torch.testing.assert_close(torch.sparse.mm(residual, w.t()), (x - clamped) @ w.t(), rtol=1e-5, atol=1e-4)
-    clamped, residual = occ_split(x, OCC(1.0))
-    assert torch.equal(clamped, x) and residual._nnz() == 0
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            clamped, idx, val = occ_split(xd, OCC(alpha, "exact"))
+            q = abs_quantile(xd, alpha, "exact").to(dtype)
+            assert torch.equal(clamped, xd.clamp(-q, q))  # no overflow: the quantile's clamp
+            assert idx.shape == val.shape == (occ_capacity(x.numel(), alpha),) and val.dtype == torch.float32
+            residual = occ_residual(idx, val, x.shape)
+            assert abs(residual._nnz() / x.numel() - (1 - alpha)) < 0.1 * (1 - alpha) + 1e-3
+            dense = xd.float() - clamped.float()
+            assert torch.equal(residual.to_dense(), dense)
+            torch.testing.assert_close(occ_mm(idx, val, w, x.shape[0]), dense @ w.t(), rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(occ_wgrad(idx, val, dy, x.shape[1]), dense.t() @ dy, rtol=1e-5, atol=1e-4)
+
+
+def test_occ_overflow_keeps_the_largest_and_raises_the_clamp():
+    """More outliers than the C slots: the C largest |x| are the residual, the rest is clamped at the next one."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1024, 128, generator=g)
+    x[1::2][torch.rand(512, 128, generator=g) < 0.1] *= 100  # 5% outliers, all in tokens the sample skips
+    clamped, idx, val = occ_split(x, OCC(0.99))
+    c = occ_capacity(x.numel(), 0.99)  # 2%
+    top = x.abs().flatten().topk(c + 1)
+    assert top.values[-1] > 10 * abs_quantile(x, 0.99)  # the threshold did move up
+    assert torch.equal(idx, top.indices[:c].sort().values) and (val != 0).all()
+    assert clamped.abs().max() == top.values[-1]
+    assert torch.equal(clamped + occ_residual(idx, val, x.shape).to_dense(), x)  # still an exact split
+    w = torch.randn(64, 128, generator=g) * 0.05
+    y = _layer(OCC(0.99), None, w)(x)
+    ref = _layer(None, None, w)(clamped) + (x - clamped) @ w.t()
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_occ_ops_pass_opcheck():
+    """Schema, fake (meta) kernels and the static output shapes torch.compile relies on."""
+    x = torch.randn(64, 32) / torch.rand(64, 32).clamp(min=0.05)
+    q = abs_quantile(x, 0.99)
+    idx, val = occ_split(x, OCC(0.99))[1:]
+    for op, args in [(torch.ops.lowbit.occ_outliers, (x, q, occ_capacity(x.numel(), 0.99))),
+                     (torch.ops.lowbit.occ_mm, (idx, val, torch.randn(16, 32), 64)),
+                     (torch.ops.lowbit.occ_wgrad, (idx, val, torch.randn(64, 16), 32))]:
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 
 
 def test_sampled_quantile_is_close():

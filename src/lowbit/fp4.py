@@ -15,10 +15,18 @@ by f'.
 OCC. Activations are clamped at the α-quantile of |x| before quantization, so a few outliers no longer stretch the
 token's scale; the residual ΔY = Y − clamp(Y) (about (1 − α)·numel non-zeros) stays in high precision as a sparse
 matrix, and ΔY·Wᵀ is added to the output (and ΔYᵀ·dY to the weight gradient).
+
+So that torch.compile traces OCC without a graph break, the dynamic-size work (finding the outliers, the sparse
+products) happens inside custom ops whose outputs have static shapes: the residual is C (flat index, fp32 value)
+pairs, C = max(1, ⌈2·(1 − α)·numel⌉) (twice the expected count: the sampled quantile is approximate), unused slots
+holding value 0. Overflow: if more than C elements exceed the quantile, the clamp threshold is raised to the
+(C + 1)-th largest |x|, so exactly the C largest are the outliers and the rest is clamped there (the split stays
+exact: clamp(x) + ΔY = x).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -87,13 +95,72 @@ def abs_quantile(x: torch.Tensor, alpha: float, method: str = "sample") -> torch
     return a.kthvalue(k).values
 
 
-def occ_split(x: torch.Tensor, occ: OCC) -> tuple[torch.Tensor, torch.Tensor]:
-    """(clamped x, sparse residual x − clamped x). α = 1 clamps nothing."""
-    if occ.alpha >= 1:
-        return x, torch.zeros_like(x, dtype=torch.float32).to_sparse()
+def occ_capacity(numel: int, alpha: float) -> int:
+    """C, the number of residual slots for `numel` elements (see the module docstring)."""
+    return max(1, math.ceil(2 * (1 - alpha) * numel))
+
+
+@torch.library.custom_op("lowbit::occ_outliers", mutates_args=())
+def occ_outliers(x: torch.Tensor, q: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(clamp threshold, flat indices [C], fp32 residual values [C]) of the elements of x with |x| > q, in index
+    order; the threshold is q unless more than C elements exceed it (then the (C + 1)-th largest |x|)."""
+    a = x.abs().reshape(-1)
+    over = a > q
+    n = int(over.sum())  # one host sync; nonzero would cost the same
+    if n <= capacity:
+        t, idx = q, torch.nonzero_static(over, size=capacity, fill_value=0).squeeze(1)
+    else:  # overflow: keep the C largest
+        top = a.topk(capacity + 1)
+        t, idx, n = top.values[-1], top.indices[:capacity].sort().values, capacity
+    xs = x.reshape(-1)[idx]
+    val = xs.float() - xs.clamp(-t, t).float()  # the outliers in fp32, whatever x's dtype
+    val[n:] = 0  # unused slots (index 0) contribute nothing
+    return t.clone(), idx, val
+
+
+@occ_outliers.register_fake
+def _(x, q, capacity):
+    return q.new_empty(()), x.new_empty(capacity, dtype=torch.long), x.new_empty(capacity, dtype=torch.float32)
+
+
+def occ_split(x: torch.Tensor, occ: OCC) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(clamped x, residual indices, residual values) of a 2-D x, α < 1. The clamp stays in the traced graph
+    (torch.compile fuses it with the quantization); the residual is what `occ_residual` turns into a matrix."""
     q = abs_quantile(x, occ.alpha, occ.quantile).to(x.dtype)
-    clamped = x.clamp(-q, q)
-    return clamped, (x.float() - clamped.float()).to_sparse()  # the outliers in fp32, whatever x's dtype
+    t, idx, val = occ_outliers(x, q, occ_capacity(x.numel(), occ.alpha))
+    return x.clamp(-t, t), idx, val
+
+
+def occ_residual(idx: torch.Tensor, val: torch.Tensor, shape) -> torch.Tensor:
+    """The residual ΔY as a sparse COO matrix of `shape`, unused slots dropped. Indices come sorted and unique,
+    so it is built coalesced (no sort)."""
+    keep = val.nonzero().squeeze(1)
+    idx, val = idx[keep], val[keep]
+    return torch.sparse_coo_tensor(torch.stack([idx // shape[1], idx % shape[1]]), val, tuple(shape),
+                                   is_coalesced=True, check_invariants=False)
+
+
+@torch.library.custom_op("lowbit::occ_mm", mutates_args=())
+def occ_mm(idx: torch.Tensor, val: torch.Tensor, weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """ΔY·Wᵀ [rows, out] for an fp32 W: the forward's compensation (Wᵀ made contiguous: the CPU kernel reads its
+    rows, about 2x faster than through W's strides)."""
+    return torch.sparse.mm(occ_residual(idx, val, (rows, weight.shape[1])), weight.t().contiguous())
+
+
+@occ_mm.register_fake
+def _(idx, val, weight, rows):
+    return val.new_empty(rows, weight.shape[0])
+
+
+@torch.library.custom_op("lowbit::occ_wgrad", mutates_args=())
+def occ_wgrad(idx: torch.Tensor, val: torch.Tensor, dy: torch.Tensor, cols: int) -> torch.Tensor:
+    """ΔYᵀ·dY [cols, out] in fp32 (the weight gradient's compensation term, transposed)."""
+    return torch.sparse.mm(occ_residual(idx, val, (dy.shape[0], cols)).t(), dy.float())
+
+
+@occ_wgrad.register_fake
+def _(idx, val, dy, cols):
+    return val.new_empty(cols, dy.shape[1])
 
 
 def check_fp4_dims(name: str, in_features: int, out_features: int) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowbit.fp4 import DGE, OCC, dge_factor, occ_split
+from lowbit.fp4 import DGE, OCC, dge_factor, occ_mm, occ_split, occ_wgrad
 from lowbit.gemm import scaled_matmul
 from lowbit.qtensor import QTensor, quantize
 from lowbit.scaling import Scaling, ScalingState, all_max, expand_groups, group_amax, scale_from_amax
@@ -77,7 +77,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_updates, go_sink,
-                telemetry_layer, x_clamped=None, residual=None, go_group=None):
+                telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
@@ -86,13 +86,13 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             # a weight all-gathered in FP8 (FSDP2) arrives quantized with the whole tensor's scale
             qw = weight.quantized() if hasattr(weight, "quantized") else quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
-            if residual is not None:  # OCC compensation: the outliers' share, sparse, in the weights' precision
-                y = (y.float() + torch.sparse.mm(residual, weight.float().t())).to(out_dtype)
+            if occ_idx is not None:  # OCC compensation: the outliers' share, sparse, in the weights' precision
+                y = (y.float() + occ_mm(occ_idx, occ_val, weight.float(), x2.shape[0])).to(out_dtype)
         if telemetry_layer is not None:
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
-        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_scale, go_updates, qw.scale_inv)
-        ctx.residual = residual
+        # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element
+        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_scale, go_updates, qw.scale_inv, occ_idx, occ_val)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
         ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, go_sink is not None, telemetry_layer, go_group
@@ -101,7 +101,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        qx_data, qx_scale_inv, weight, go_scale, go_updates, w_scale_inv = ctx.saved_tensors
+        qx_data, qx_scale_inv, weight, go_scale, go_updates, w_scale_inv, occ_idx, occ_val = ctx.saved_tensors
         r = ctx.recipe
         g = r.grad_output
         qx = QTensor(qx_data, qx_scale_inv, r.input)
@@ -129,11 +129,11 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             if r.dge is not None:  # DGE: dL/dW = dL/dWq · f'(W scaled onto the grid)
                 scaled = weight.float() / expand_groups(w_scale_inv.float(), r.weight, weight.shape)
                 dw = (dw.float() * dge_factor(scaled, r.dge)).to(dw.dtype)
-            if ctx.residual is not None:  # the compensation term's weight gradient, dyᵀ·ΔY (no quantizer: no DGE)
-                dw = dw + torch.sparse.mm(ctx.residual.t(), dy2.float()).t().to(dw.dtype)
+            if occ_idx is not None:  # the compensation term's weight gradient, dyᵀ·ΔY (no quantizer: no DGE)
+                dw = dw + occ_wgrad(occ_idx, occ_val, dy2, weight.shape[1]).t().to(dw.dtype)
         seen = torch.stack([amax if g.granularity == "tensor" else amax.new_zeros(()), bad.sum().float()]) \
             if ctx.report else None
-        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None
+        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None, None
 
 
 def _scaling_states(recipe: LinearRecipe, device) -> nn.ModuleDict:
@@ -161,22 +161,12 @@ class LowPrecisionLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.recipe.occ is not None:
-            return self._forward_eager(x)
-        return self._forward(x)
-
-    @torch.compiler.disable
-    def _forward_eager(self, x: torch.Tensor) -> torch.Tensor:
-        """OCC's residual is a sparse tensor, which torch.compile cannot trace: such a layer runs eagerly."""
-        return self._forward(x)
-
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         replay = _in_backward()  # activation checkpointing recomputes this forward
         update = self.training and torch.is_grad_enabled() and not replay
         r, st = self.recipe, self.scaling
-        x2, residual = x.reshape(-1, x.shape[-1]), None
-        if r.occ is not None:  # clamp outliers; straight-through for x, the residual is compensated in the Function
-            x2, residual = occ_split(x2.detach(), r.occ)
+        x2, idx, val = x.reshape(-1, x.shape[-1]), None, None
+        if r.occ is not None and r.occ.alpha < 1:  # clamp outliers; straight-through for x, the residual is
+            x2, idx, val = occ_split(x2.detach(), r.occ)  # compensated in the Function (α = 1 clamps nothing)
         scale_x = st["input"].scales_for(x2, update, replay)
         if hasattr(self.weight, "quantized"):  # FP8 all-gather (FSDP2): cast before the gather, record it here
             scale_w = self.weight._scale_inv.reciprocal()
@@ -188,7 +178,7 @@ class LowPrecisionLinear(nn.Linear):
         # Copies: the state may move on before this backward runs (another micro-batch's backward, a pipeline)
         y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(), go.updates.clone(),
                                       go.sink(x.device) if update else None, self if self.telemetry_armed else None,
-                                      x2 if r.occ is not None else None, residual, go.amax_group)
+                                      x2 if idx is not None else None, idx, val, go.amax_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

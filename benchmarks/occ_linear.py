@@ -1,0 +1,67 @@
+"""Time of one low-precision linear's forward + backward (median of --steps after warm-up), eager and compiled:
+what OCC costs on top of plain FP4 and FP8, and whether torch.compile traces it.
+
+    python benchmarks/occ_linear.py [--device cuda] [--tokens 4096 --dims 768,2048]
+        [--recipes fp4,fp4-no-occ,fp8-tensorwise] [--modes eager,compiled]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from lowbit.linear import LowPrecisionLinear
+from lowbit.recipes import get_recipe
+
+
+def time_step(layer, x, dy, steps: int, device: str) -> float:
+    def step():
+        layer(x).backward(dy)
+        layer.weight.grad = None
+
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        step()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return 1e3 * statistics.median(times)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--dims", default="768,2048")
+    p.add_argument("--recipes", default="fp4,fp4-no-occ,fp8-tensorwise")
+    p.add_argument("--modes", default="eager,compiled")
+    p.add_argument("--steps", type=int, default=5)
+    a = p.parse_args()
+    k, n = map(int, a.dims.split(","))
+    g = torch.Generator(a.device).manual_seed(0)
+    x = torch.randn(a.tokens, k, device=a.device, generator=g)
+    x[:, :: k // 8] *= 20  # a few outlier channels, as in LLaMA activations
+    dy = torch.randn(a.tokens, n, device=a.device, generator=g)
+    print(f"torch {torch.__version__} | {a.device} | {a.tokens} tokens, {k} -> {n}")
+    for recipe in a.recipes.split(","):
+        for mode in a.modes.split(","):
+            torch._dynamo.reset()
+            layer = LowPrecisionLinear.from_linear(torch.nn.Linear(k, n, bias=False, device=a.device),
+                                                   get_recipe(recipe).linear)
+            fwd = torch.compile(layer, fullgraph=True) if mode == "compiled" else layer
+            t = time.perf_counter()
+            ms = time_step(fwd, x, dy, a.steps, a.device)
+            print(f"{recipe:16s} {mode:9s} {ms:9.1f} ms fwd+bwd   (first 2 steps + {a.steps} timed: "
+                  f"{time.perf_counter() - t:.0f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
