@@ -6,7 +6,8 @@
 # RECIPES: those to compare (default all six); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
 # config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json.
 # Runs still going at DEADLINE seconds get SIGTERM (each checkpoints and stops); what came out is packed into
-# $OUT/study.tar.gz (metrics, telemetry, logs, report; no checkpoints).
+# $OUT/study.tar.gz (metrics, telemetry, logs, report; no checkpoints). MICRO: micro-batch size (default 32; 64 =
+# one micro-batch per step, half the per-step overhead).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=${SRC:-src}
@@ -42,7 +43,7 @@ RECIPES=${RECIPES:-bf16,fp4,fp8-tensorwise,fp8lm-o2,fp8-delayed,nanotron-r2}
 DEVICES=${DEVICES:-cuda:0,cuda:1,cuda:0,cuda:1,cuda:0,cuda:1}
 if [ -n "${PRIOR:-}" ]; then mkdir -p "$W/runs" && cp -rn "$PRIOR"/* "$W/runs/"; fi
 ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.seq_len=1024 --train.steps=768 --train.batch_size=64
-      --train.micro_batch_size=32 --train.lr=6e-4 --train.warmup_steps=64 --train.eval_every=64
+      --train.micro_batch_size="${MICRO:-32}" --train.lr=6e-4 --train.warmup_steps=64 --train.eval_every=64
       --train.eval_batches=8 --train.log_every=16 --numerics.telemetry_every=64 --run.plot=false
       --train.compile="${COMPILE:-false}")
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
