@@ -81,7 +81,7 @@ class TrainConfig:
     seed: int = opt(0, "seed of initialization and data order")
     compile: bool = opt(False, "torch.compile the model")
     eval_every: int = opt(50, "validation every N steps (and at the end); 0: only at the end")
-    eval_batches: int = opt(8, "batches per validation")
+    eval_batches: int = opt(8, "batches of train.batch_size sequences per validation")
     log_every: int = opt(10, "progress line every N steps")
 
 

@@ -196,7 +196,10 @@ def train(cfg: Config) -> dict:
     loader = Loader(dataset.split("train"), cfg.data.seq_len, t.batch_size, seed=t.seed,
                     dp_rank=mesh.replica[0], dp_size=mesh.replica[1])
     val_split = dataset.split("val")
-    val_data = val_batches(val_split, cfg.data.seq_len, t.micro_batch_size or t.batch_size, t.eval_batches) \
+    # The validation set is the first eval_batches x batch_size windows whatever the micro-batch size (a memory
+    # knob must not change what the loss is measured on), scored one micro-batch at a time.
+    micro = t.micro_batch_size or t.batch_size
+    val_data = val_batches(val_split, cfg.data.seq_len, micro, t.eval_batches * (t.batch_size // micro)) \
         if val_split.num_windows(cfg.data.seq_len) > 0 else []
     if not val_data and lead:
         warn(f"validation split of {data_path} is shorter than one window of {cfg.data.seq_len + 1} tokens: "
