@@ -339,3 +339,127 @@ def test_add_param_group_and_a_second_optimizer_on_the_same_parameters():
     again = LowbitAdamW(first, precision=StatePrecision())
     _backward(first, _grads(1, [first[0].shape]))
     assert first[0].grad is not None and again.grad_of(first[0]) is not None
+
+
+# ---- stochastic rounding of stored states ----
+
+def _bits(data: torch.Tensor) -> torch.Tensor:
+    return data.view({1: torch.uint8, 2: torch.int16}[data.element_size()]).long()
+
+
+@pytest.mark.parametrize("kind", ["e4m3", "e5m2", "fp16", "bf16"])
+def test_stochastic_rounding_is_unbiased_and_picks_a_neighbour(kind):
+    from lowbit.optim.precision import GRID, KINDS
+
+    torch.manual_seed(0)
+    emin, mbits = GRID[kind]
+    scaled = KINDS[kind][1]
+    top = KINDS[kind][2] if scaled else 1.0  # a scaled kind puts the amax at its top
+    # normals, values in the subnormal range (below 2^emin after scaling), exact grid values, zeros, signs
+    y = torch.tensor([top, -0.3 * top, 0.7, -1.3e-2, 2.0 ** emin * 0.37, -(2.0 ** emin) * 0.81, 2.0 ** emin * 3.5,
+                      2.0 ** (emin - mbits) * 0.25, 1.0, 0.0, -0.0])
+    scale = torch.ones(())
+    encode(y, kind, scale)
+    x = y / scale  # the input whose scaled value is y (a power-of-two scale: exact)
+    n = 20_000
+    data = encode(x.expand(n, -1), kind, scale.clone(), rounding="stochastic")
+    nearest = encode(x, kind, scale.clone())
+    q = data.float()
+    # grid step at y: the format's ulp (bf16 below 2^-119: a coarser grid, see precision.GRID)
+    ulp = torch.exp2(torch.floor(torch.log2(y.abs())).clamp(min=emin) - mbits)
+    # every result is a grid neighbour of y; where the grid is the format's, the round-to-nearest value or the
+    # adjacent bit pattern on the other side of y
+    assert ((q - y).abs() < ulp).all()
+    fine = (y.abs() >= 2.0 ** emin) | (kind != "bf16")
+    assert ((q - y).sign() * (nearest.float() - y).sign() <= 0).logical_or(q == nearest.float())[:, fine].all()
+    assert ((_bits(data) - _bits(nearest)).abs() <= 1)[:, fine].all()
+    on_grid = (nearest.float() == y) & fine
+    assert (q[:, on_grid] == y[on_grid]).all()  # representable values (zeros included) never move
+    assert (_bits(data[:, y == 0]) == _bits(nearest[y == 0])).all()  # and keep the sign of a zero
+    assert ((q * y) >= 0).all()  # nor do signs flip
+    # unbiased: the mean is y within a few standard errors of a Bernoulli(frac) * ulp
+    assert ((q.mean(0) - y).abs() <= 5 * ulp / 2 / math.sqrt(n) + 1e-12 * y.abs()).all()
+
+
+def test_an_e5m2_second_moment_decays_only_with_stochastic_rounding():
+    torch.manual_seed(0)
+    scale = torch.ones(())
+    v0 = decode(encode(torch.rand(20_000) * 3e-5, "e5m2", scale), "e5m2", scale)
+    for rounding in ("nearest", "stochastic"):
+        v = v0
+        for t in range(1, 21):  # beta2 = 0.95 and no new gradient: v should shrink as 0.95^t
+            v = decode(encode(v * 0.95, "e5m2", scale, rounding=rounding), "e5m2", scale)
+            if rounding == "nearest":
+                assert torch.equal(v, v0)
+            else:
+                assert v.mean().item() / v0.mean().item() == pytest.approx(0.95 ** t, rel=0.02)
+
+
+def test_rounding_is_checked_and_may_change_on_resume():
+    with pytest.raises(LowbitError, match="optim.rounding: 'up'"):
+        StatePrecision(rounding="up")
+    assert StatePrecision(rounding="stochastic").all_fp32
+    assert StatePrecision(exp_avg_sq="e5m2", rounding="stochastic").bytes_per_param()["total"] == 13
+    prec = StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2")
+    params = _params()
+    opt = LowbitAdamW(params, precision=prec)
+    _backward(params, _grads(0, [p.shape for p in params]))
+    opt.step()
+    sd = opt.state_dict()
+    for g in sd["param_groups"]:
+        del g["precision"]["rounding"]  # a checkpoint from before the setting existed
+    again = LowbitAdamW(_params(), precision=StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2", rounding="stochastic"))
+    again.load_state_dict(sd)
+    assert again.precision_of(again.param_groups[0]).rounding == "stochastic"  # this run's setting wins
+    with pytest.raises(LowbitError, match="stored as"):
+        LowbitAdamW(_params(), precision=StatePrecision(exp_avg="e4m3")).load_state_dict(sd)
+
+
+def _telemetry_after(prec: StatePrecision, steps: int = 30) -> dict:
+    torch.manual_seed(0)
+    params = _params()
+    opt = LowbitAdamW(params, lr=1e-3, betas=(0.9, 0.95), precision=prec)
+    for step in range(steps):
+        grads = _grads(step, [p.shape for p in params])
+        _backward(params, [g * (0.3 if step >= steps // 2 else 1.0) for g in grads])  # the gradients shrink
+        opt.step()
+        opt.zero_grad()
+    return opt.state_telemetry({p: f"w{i}" for i, p in enumerate(params)})
+
+
+def test_state_telemetry_finds_moments_that_cannot_decay():
+    fp32 = _telemetry_after(StatePrecision(), steps=2)
+    assert fp32 == {}  # nothing stored in a scaled kind
+    near = _telemetry_after(StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2"))
+    assert set(near) == {"exp_avg", "exp_avg_sq"}
+    assert set(near["exp_avg"]) == {"kind", "zero_pct", "stuck_pct", "worst", "worst_stuck_pct"}
+    assert set(near["exp_avg_sq"]) == set(near["exp_avg"]) | {"m_nonzero_v_zero_pct"}
+    v = near["exp_avg_sq"]
+    assert v["kind"] == "e5m2" and v["stuck_pct"] == 100.0 and v["worst"] in ("w0", "w1", "w2")
+    assert near["exp_avg"]["kind"] == "e4m3" and near["exp_avg"]["stuck_pct"] < 50  # beta1 0.9: a 10% step
+    sr = _telemetry_after(StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2", rounding="stochastic"))
+    assert sr["exp_avg_sq"]["stuck_pct"] == 0.0
+    # E4M3 second moments underflow: entries whose update is m / eps
+    e4 = _telemetry_after(StatePrecision(exp_avg="e4m3", exp_avg_sq="e4m3"))
+    assert e4["exp_avg_sq"]["m_nonzero_v_zero_pct"] > 0 and near["exp_avg_sq"]["m_nonzero_v_zero_pct"] == 0
+    assert e4["exp_avg_sq"]["stuck_pct"] > 50  # at 0.95 some E4M3 mantissas can't decay either; v ratchets onto them
+
+
+def test_training_logs_optimizer_state_telemetry(tmp_path, capsys):
+    from conftest import SMALL, cli, read_metrics
+
+    args = [*SMALL, "--recipe", "nanotron-r2", "--train.steps", "4", "--numerics.telemetry_every", "2"]
+    stuck = {}
+    for rounding in ("nearest", "stochastic"):
+        code, _, err = cli(capsys, "train", *args, "--optim.rounding", rounding, "--run.dir", tmp_path / rounding)
+        assert code == 0, err
+        records = [r for r in read_metrics(tmp_path / rounding) if "optim_states" in r]
+        assert [r["step"] for r in records] == [1, 2, 4]
+        states = records[-1]["optim_states"]
+        assert states["exp_avg"]["kind"] == "e4m3" and states["exp_avg_sq"]["kind"] == "e5m2"
+        assert "layers." in states["exp_avg_sq"]["worst"] and "m_nonzero_v_zero_pct" in states["exp_avg_sq"]
+        stuck[rounding] = states["exp_avg_sq"]["stuck_pct"]
+    assert stuck["nearest"] > 50 and stuck["stochastic"] < 1
+    code, _, _ = cli(capsys, "train", *SMALL, "--train.steps", "2", "--numerics.telemetry_every", "1",
+                     "--run.dir", tmp_path / "bf16")
+    assert code == 0 and not any("optim_states" in r for r in read_metrics(tmp_path / "bf16"))

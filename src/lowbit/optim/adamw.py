@@ -68,9 +68,10 @@ def _take_grad(p: torch.Tensor) -> None:
 
 
 def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
-            kinds: tuple[str, str, str]):
-    """One AdamW step in fp32 on stored states (in place). `step`, `lr`: 0-dim tensors (no recompiles)."""
-    k_m, k_v, k_master = kinds
+            kinds: tuple[str, str, str, str]):
+    """One AdamW step in fp32 on stored states (in place). `step`, `lr`: 0-dim tensors (no recompiles). `kinds`:
+    the storage of exp_avg, exp_avg_sq, master, and how the three are rounded."""
+    k_m, k_v, k_master, rounding = kinds
     g = decode(g, g_kind, g_scale)
     step += 1
     m32 = decode(m, k_m, m_scale).lerp_(g, 1 - beta1)
@@ -79,10 +80,10 @@ def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale,
     w = w * (1 - lr * wd)
     denom = (v32.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(eps)
     w = w - (lr / (1 - beta1 ** step)) * m32 / denom
-    encode(m32, k_m, m_scale, out=m)
-    encode(v32, k_v, v_scale, out=v)
-    if k_master != "none":
-        encode(w, k_master, master_scale, out=master)
+    encode(m32, k_m, m_scale, out=m, rounding=rounding)
+    encode(v32, k_v, v_scale, out=v, rounding=rounding)
+    if k_master != "none":  # a low-precision master loses updates under half its ulp unless rounded stochastically
+        encode(w, k_master, master_scale, out=master, rounding=rounding)
     p.copy_(w)
 
 
@@ -272,7 +273,7 @@ class LowbitAdamW(torch.optim.Optimizer):
                               st["exp_avg_sq_scale"], st.get("master", none), st.get("master_scale", none),
                               st["step"], wd))
             lr = torch.tensor(group["lr"], device=device)  # a tensor: no recompiles as lr changes
-            kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master)
+            kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master, prec.rounding)
             for chunk in _chunks(items):
                 self._fn(_update_all, device)(chunk, lr, beta1, beta2, group["eps"], kinds)
         return loss
@@ -284,6 +285,55 @@ class LowbitAdamW(torch.optim.Optimizer):
             return store.data if store.filled else None
         return p.grad
 
+    @torch.no_grad()
+    def state_telemetry(self, names: dict) -> dict:
+        """Health of the moments stored in scaled kinds, {moment: {...}} over every parameter this process keeps
+        states of (under ZeRO its own share; pipeline stages, their own parameters). `names`: parameter -> name.
+
+        zero_pct: stored entries that are exactly 0. stuck_pct: of the non-zero ones, those a decay by the
+        moment's beta alone leaves unchanged (same scale), i.e. that cannot shrink: under round-to-nearest those
+        whose decayed value rounds back to them (every E5M2 entry at beta 0.95); under stochastic rounding only
+        those whose fp32 decay is no change, since any other rounds down with a positive probability.
+        worst / worst_stuck_pct: the tensor with the highest stuck_pct. exp_avg_sq adds m_nonzero_v_zero_pct:
+        entries with a non-zero first moment over a zero second moment, whose update is m / eps."""
+        rows: dict[str, list] = {}  # moment -> (kind, name, numel, counts: zero, non-zero, stuck, m!=0 & v==0)
+        for group in self.param_groups:
+            prec = self.precision_of(group)
+            for moment, beta in zip(("exp_avg", "exp_avg_sq"), group["betas"]):
+                kind = getattr(prec, moment)
+                if not KINDS[kind][1]:
+                    continue
+                for p in group["params"]:
+                    st = self.state.get(p)
+                    if not st or moment not in st:  # ZeRO: another replica keeps it
+                        continue
+                    d = st[moment].float()  # data / scale with a power-of-two scale: the decay is exact on data
+                    nonzero = d != 0
+                    decayed = d * beta if prec.rounding == "stochastic" else (d * beta).to(KINDS[kind][0]).float()
+                    stuck = nonzero & (decayed == d)
+                    m_only = (st["exp_avg"].float() != 0) & ~nonzero if moment == "exp_avg_sq" \
+                        else torch.zeros_like(stuck)
+                    counts = [~nonzero, nonzero, stuck, m_only]
+                    rows.setdefault(moment, []).append(
+                        (kind, names.get(p, f"param{len(rows.get(moment, ()))}"), d.numel(),
+                         torch.stack([c.sum() for c in counts])))
+        if not rows:
+            return {}
+        flat = torch.stack([r[3] for rs in rows.values() for r in rs]).tolist()  # one host sync
+        out = {}
+        for moment, rs in rows.items():
+            counts, flat = flat[:len(rs)], flat[len(rs):]
+            pct = [100 * c[2] / c[1] if c[1] else 0.0 for c in counts]
+            worst = max(range(len(rs)), key=pct.__getitem__)
+            total = [sum(col) for col in zip(*counts)]
+            n = sum(r[2] for r in rs)
+            out[moment] = {"kind": "/".join(sorted({r[0] for r in rs})), "zero_pct": 100 * total[0] / max(n, 1),
+                           "stuck_pct": 100 * total[2] / total[1] if total[1] else 0.0, "worst": rs[worst][1],
+                           "worst_stuck_pct": pct[worst]}
+            if moment == "exp_avg_sq":
+                out[moment]["m_nonzero_v_zero_pct"] = 100 * total[3] / max(n, 1)
+        return out
+
     def hyper(self) -> list[dict]:
         """The groups' settings (learning rate, betas, storage precision...) without their parameters."""
         return [{k: v for k, v in g.items() if k != "params"} for g in self.param_groups]
@@ -294,15 +344,18 @@ class LowbitAdamW(torch.optim.Optimizer):
         if not isinstance(saved, list) or len(saved) != len(groups):
             raise LowbitError(f"optimizer state: {len(saved) if isinstance(saved, list) else 'no'} parameter groups "
                               f"saved, this model has {len(groups)} (another model or recipe)")
+        def storage(prec):  # rounding is how states are written, not what they are: it may change on resume
+            return {k: v for k, v in (prec or {}).items() if k != "rounding"}
+
         for i, (g, s) in enumerate(zip(groups, saved)):
             if check_sizes and len(g["params"]) != len(s.get("params", ())):
                 raise LowbitError(f"optimizer state: group {i} holds {len(s.get('params', ()))} tensors, this model "
                                   f"has {len(g['params'])} (another model or recipe)")
-            if s.get("precision") != g["precision"]:
-                raise LowbitError(f"optimizer state: group {i} was stored as {s.get('precision')}, this run asks "
-                                  f"for {g['precision']} (another recipe or [optim] setting)")
+            if storage(s.get("precision")) != storage(g["precision"]):
+                raise LowbitError(f"optimizer state: group {i} was stored as {storage(s.get('precision'))}, this "
+                                  f"run asks for {storage(g['precision'])} (another recipe or [optim] setting)")
         for g, s in zip(groups, saved):
-            g.update({k: v for k, v in s.items() if k != "params"})
+            g.update({k: v for k, v in s.items() if k not in ("params", "precision")})
 
     # ---- checkpoints: states are restored exactly as stored (torch's default would cast them to the weights'
     # dtype, turning an FP8 moment into bf16) ----

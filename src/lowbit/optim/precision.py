@@ -4,11 +4,17 @@ Every kind is held as `data` plus a per-tensor power-of-two `scale` (dequantized
 kinds (fp32, bf16) keep scale 1. Scaled kinds put the tensor's amax at the top of the format's range, so a
 second moment (gradient squared: twice the gradient's dynamic range in binades) keeps its small entries: fp16
 then spans 2^-24..2^16 times the scale, E4M3 only 2^-9..2^8.5.
+
+Rounding to nearest can freeze a state: a decay by beta moves a value by (1 - beta), and where that is under half
+an ulp (E5M2: 2 mantissa bits, half an ulp >= 6.25% > 1 - 0.95) the product rounds back to the value itself, so
+an E5M2 second moment never decays, it only grows. Stochastic rounding (rounding="stochastic") rounds up with
+probability equal to the distance from the lower neighbour over the ulp: unbiased, so a state decays on average
+as in fp32.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -28,7 +34,12 @@ ALLOWED = {
     "grads": ("fp32", "bf16", "e4m3", "e5m2"),
     "exp_avg": ("fp32", "bf16", "e4m3"),
     "exp_avg_sq": ("fp32", "bf16", "fp16", "e4m3", "e5m2"),
+    "rounding": ("nearest", "stochastic"),
 }
+# kind -> (smallest normal exponent, mantissa bits): the grid stochastic rounding rounds onto. bf16's exponent
+# floor is -119, not -126: its smallest grid step stays a normal fp32 (2^-126), which GPU flush-to-zero math can't
+# zero; below 2^-119 it rounds on a coarser grid than bf16's subnormals, still exactly representable and unbiased.
+GRID = {"bf16": (-119, 7), "fp16": (-14, 10), "e4m3": (-6, 3), "e5m2": (-14, 2)}
 
 
 @dataclass(frozen=True)
@@ -36,13 +47,16 @@ class StatePrecision:
     """Storage of one parameter and its optimizer states. Update math is always fp32.
 
     weights: the parameter the model computes with. master: a separate copy the update is applied to (`none`:
-    the weights are the master). grads: what a gradient is kept in between backward and the step."""
+    the weights are the master). grads: what a gradient is kept in between backward and the step. rounding: how
+    the update writes the states it keeps (exp_avg, exp_avg_sq, master), nearest or stochastic; gradients and
+    weights always round to nearest."""
 
     weights: str = "fp32"
     master: str = "none"
     grads: str = "fp32"
     exp_avg: str = "fp32"
     exp_avg_sq: str = "fp32"
+    rounding: str = "nearest"
 
     def __post_init__(self):
         for key, allowed in ALLOWED.items():
@@ -57,11 +71,11 @@ class StatePrecision:
 
     @property
     def all_fp32(self) -> bool:
-        return self == StatePrecision()
+        return replace(self, rounding="nearest") == StatePrecision()  # fp32 storage: nothing to round
 
     def bytes_per_param(self) -> dict[str, float]:
         """The theoretical figure: bytes per parameter by category (per-tensor scales left out)."""
-        size = {k: 0 if v == "none" else KINDS[v][0].itemsize for k, v in asdict(self).items()}
+        size = {k: 0 if v == "none" else KINDS[v][0].itemsize for k, v in asdict(self).items() if k != "rounding"}
         return {**size, "total": sum(size.values())}
 
 
@@ -81,16 +95,34 @@ def _pow2_scale(amax: torch.Tensor, fmax: float, old: torch.Tensor) -> torch.Ten
     return torch.where(good, s, old)
 
 
+def stochastic_round(y: torch.Tensor, kind: str) -> torch.Tensor:
+    """fp32 `y` rounded to one of its two neighbours in `kind`, up with probability (y - lower) / ulp, so the
+    expectation is y. Elementwise tensor math only (torch.rand_like, no host syncs): it compiles into the update."""
+    emin, mbits = GRID[kind]
+    a = y.abs()
+    e = torch.floor(torch.log2(a))
+    # log2 may land on the wrong side of a power of two (approximate GPU math): make 2^e <= a < 2^(e+1) exact
+    e = e - (torch.exp2(e) > a).float() + (torch.exp2(e + 1) <= a).float()
+    ulp = torch.exp2(e.clamp(min=emin) - mbits)  # zero and subnormals: the fixed ulp of the lowest binade
+    steps = a / ulp  # exact: ulp is a power of two
+    low = torch.floor(steps)
+    # up with probability frac; comparing (not adding) keeps an fp32 sum's rounding from moving a grid value
+    q = torch.copysign((low + (torch.rand_like(a) < steps - low).float()) * ulp, y)
+    return torch.where(torch.isfinite(y), q, y)  # Inf and NaN as round-to-nearest leaves them
+
+
 def encode(x: torch.Tensor, kind: str, scale: torch.Tensor, out: torch.Tensor | None = None,
-           amax: torch.Tensor | None = None) -> torch.Tensor:
+           amax: torch.Tensor | None = None, rounding: str = "nearest") -> torch.Tensor:
     """Store `x` as `kind` (into `out` if given); updates the per-tensor `scale` in place for scaled kinds (from
-    `amax` if the caller has it). Returns the stored data."""
+    `amax` if the caller has it). `rounding`: nearest, or stochastic (kinds below fp32). Returns the stored data."""
     dtype, scaled, fmax = KINDS[kind]
+    sr = rounding == "stochastic" and kind in GRID
     if scaled:
         scale.copy_(_pow2_scale(x.abs().amax() if amax is None else amax, fmax, scale))
-        data = (x * scale).clamp_(-fmax, fmax).to(dtype)
+        y = x * scale
+        data = (stochastic_round(y.float(), kind) if sr else y).clamp_(-fmax, fmax).to(dtype)
     else:
-        data = x.to(dtype)
+        data = (stochastic_round(x.float(), kind) if sr else x).to(dtype)
     if out is None:
         return data
     out.copy_(data)

@@ -282,6 +282,9 @@ def train(cfg: Config) -> dict:
         (run_dir / "config.toml").write_text(to_toml(cfg))
         shutil.copyfile(dataset.tokenizer_path, run_dir / "tokenizer.json")
     metrics = Metrics(run_dir, cfg.run.tensorboard) if lead else _Silent()
+    # Optimizer-state telemetry: the lead rank's own states only (ZeRO: its share; pipeline: its stage's), no
+    # collectives, so the other ranks skip it.
+    param_names = {p: name for name, p in model.named_parameters()} if lead else None
 
     def autocast():
         if dtype == torch.float32:
@@ -443,6 +446,10 @@ def train(cfg: Config) -> dict:
             if telemetry:
                 metrics.log({"step": step, "numerics": {name: dict(layer.telemetry)
                                                          for name, layer in lp_layers.items()}})
+            if lead and n.telemetry_every and (step % n.telemetry_every == 0 or step == 1):
+                states = optimizer.state_telemetry(param_names)  # {} unless a moment is stored in a scaled kind
+                if states:
+                    metrics.log({"step": step, "optim_states": states})
             summary.update(step=step, loss=_finite_or_none(loss_value))
 
             end = step == last_step or stop.requested
