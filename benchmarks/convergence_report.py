@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from lowbit.recipes import RECIPES
-from lowbit.tools.compare import _gap, plot, read_run, table
+from lowbit.tools.compare import _gap, plot, read_run, split_entry, table
 
 p = argparse.ArgumentParser()
 p.add_argument("runs", type=Path)
@@ -19,13 +19,18 @@ p.add_argument("--out", type=Path, default=Path("."))
 p.add_argument("--device", default="NVIDIA H200")
 a = p.parse_args()
 
+
+def low_precision(name: str) -> bool:  # a run dir is named by its --recipes entry, maybe a variant RECIPE+key=value
+    return RECIPES[split_entry(name)[0]].linear is not None
+
+
 compiled = json.loads((a.runs / "compare.json").read_text())  # the compiled call's report: torch, command
 runs = {}
 for d in sorted(x for x in a.runs.iterdir() if (x / "metrics.jsonl").is_file()):
-    runs[d.name] = read_run(d, RECIPES[d.name].linear is not None)
+    runs[d.name] = read_run(d, low_precision(d.name))
 if a.eager:
     for d in sorted(x for x in a.eager.iterdir() if (x / "metrics.jsonl").is_file()):
-        runs[f"{d.name} (eager)"] = read_run(d, RECIPES[d.name].linear is not None)
+        runs[f"{d.name} (eager)"] = read_run(d, low_precision(d.name))
 order = [r for r in ("bf16", "fp8-tensorwise", "fp8-delayed", "fp8lm-o2", "nanotron-r2", "fp4") if r in runs]
 order += [r for r in runs if r not in order]
 base = runs["bf16"]

@@ -119,3 +119,65 @@ def test_compare_on_devices_reports_a_failed_run(tmp_path, capsys):
                        "--data.path", str(tmp_path / "missing"))
     assert code == 2 and "bf16 failed: see the end of" in err and "bf16.log" in err
     assert "not found" in (out / "bf16.log").read_text()
+
+
+def test_compare_variant_entries_parse():
+    from lowbit.tools.compare import parse_recipes
+
+    entries = parse_recipes("bf16, nanotron-r2+optim.exp_avg=fp32+numerics.keep_first_last=true,bf16+train.lr=1e+3")
+    assert entries == {"bf16": ("bf16", []),
+                       "nanotron-r2+optim.exp_avg=fp32+numerics.keep_first_last=true":
+                           ("nanotron-r2", ["--optim.exp_avg=fp32", "--numerics.keep_first_last=true"]),
+                       "bf16+train.lr=1e+3": ("bf16", ["--train.lr=1e+3"])}  # the + of 1e+3 is the value's
+
+
+def test_compare_trains_variants_in_their_own_dirs(compared, tmp_path, capsys):
+    import shutil
+
+    out, recipes = tmp_path / "out", "bf16,bf16+train.lr=0.002"
+    assert cli(capsys, "compare", "--recipes", recipes, "--out", out, *ARGS)[0] == 0
+    assert "lr = 0.002" in (out / "bf16+train.lr=0.002" / "config.toml").read_text()
+    assert losses(out / "bf16") == losses(compared / "bf16") != losses(out / "bf16+train.lr=0.002")
+    report = json.loads((out / "compare.json").read_text())
+    assert [r["recipe"] for r in report["runs"]] == ["bf16", "bf16+train.lr=0.002"]
+    assert "| bf16+train.lr=0.002 | 6 |" in (out / "compare.md").read_text()
+    code, text, _ = cli(capsys, "compare", "--recipes", recipes, "--out", out, *ARGS)
+    assert code == 0 and text.count("skipped, finished run") == 2
+    # a variant's dir trained with another value of its key is refused
+    shutil.copytree(out / "bf16+train.lr=0.002", out / "bf16+train.lr=0.003")
+    code, _, err = cli(capsys, "compare", "--recipes", "bf16+train.lr=0.003", "--out", out, *ARGS)
+    assert code == 2 and "another config" in err
+
+
+def test_compare_bad_variants_train_nothing(tmp_path, capsys):
+    for args, message in ((["--recipes", "bf16,bf16+train.nope=1"], "'bf16+train.nope=1': unknown config key"),
+                          (["--recipes", "bf16+train.lr=fast"], "train.lr: "),
+                          (["--recipes", "fp9+train.lr=1"], "'fp9' is not one of"),
+                          (["--recipes", "bf16+run.dir=x"], "--run.dir is set by compare"),
+                          (["--recipes", "bf16+run.resume=true"], "--run.resume is set by compare"),
+                          (["--recipes", "bf16+run.device=cpu", "--devices", "cpu"], "give one"),
+                          (["--recipes", "bf16+data.path=/data"], "no directory name"),
+                          (["--recipes", "bf16+train.lr=2e-3,bf16+train.lr=2e-3"], "twice")):
+        code, out, err = cli(capsys, "compare", *args, "--out", tmp_path / "out", *ARGS)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not (tmp_path / "out").exists() and "step" not in out
+
+
+def test_compare_reports_the_stuck_optimizer_moments(tmp_path):
+    from lowbit.tools.compare import read_run, table
+
+    m = {"kind": "e4m3", "zero_pct": 10.0, "stuck_pct": 3.14, "worst": "layers.0.w1", "worst_stuck_pct": 9.0}
+    states = {"exp_avg": m, "exp_avg_sq": {**m, "kind": "e5m2", "stuck_pct": 97.0, "m_nonzero_v_zero_pct": 1.0}}
+    records = [{"step": 1, "loss": 5.0}, {"step": 3, "optim_states": {"exp_avg": m}}, {"step": 3, "loss": 4.0},
+               {"step": 6, "optim_states": states}, {"step": 6, "loss": 3.0}]
+    runs = []
+    for name, lines in (("with", records), ("without", records[:1])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        runs.append({"recipe": name, "this_session": "train", **read_run(tmp_path / name, False),
+                     "train_gap_pct": None, "val_gap_pct": None})
+    assert runs[0]["moments"] == states and runs[0]["moments_step"] == 6 and runs[0]["steps"] == 6  # the last
+    assert runs[1]["moments"] is None and runs[1]["moments_step"] is None
+    text = table({"device": "cpu", "torch": "x", "date": "d", "command": "c", "baseline": "with", "runs": runs})
+    assert "moments (stuck % of non-zeros) |" in text and "cannot decay" in text
+    assert "| m e4m3 3.14%, v e5m2 97% |" in text and text.splitlines()[-1].endswith("| — | — | — |")

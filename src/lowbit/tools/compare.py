@@ -1,8 +1,12 @@
 """`lowbit compare --recipes a,b,... --out DIR [CONFIG.toml] [--section.key=value ...]`: the same model, data and
 seed trained under each recipe (run dir DIR/<recipe>: one after another in this process, or with --devices
 concurrently, one `lowbit train` process per run on the next free device), then an overlay of the
-training and validation losses (compare.png), a table of final losses with the gap to bf16, throughput and the
-worst under/overflowing operand of each low-precision run (compare.md, compare.json, and printed).
+training and validation losses (compare.png), a table of final losses with the gap to bf16, throughput, the
+worst under/overflowing operand of each low-precision run and the stuck entries of its scaled optimizer moments
+(compare.md, compare.json, and printed).
+
+A --recipes entry may be a variant, `RECIPE+section.key=value[+...]`: the recipe with these overrides on top of
+the common ones; the entry as given names its run dir and its row.
 
 Re-running picks up where it stopped: a finished run is skipped, an unfinished one resumes from its newest good
 checkpoint, or starts again if it has none. A run dir trained under another config is an error, not reused
@@ -15,6 +19,7 @@ import argparse
 import datetime
 import gc
 import json
+import re
 import shutil
 import signal
 import statistics
@@ -29,6 +34,9 @@ LAST_N = 10  # the final training loss is the mean of the last LAST_N steps: one
 # Keys that may differ between the config a run was started with and the one that continues it.
 CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir")
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# A variant's `+` that starts a `section.key=` override; any other `+` (a value such as 1e+3) stays.
+VARIANT_SPLIT = re.compile(r"\+(?=[a-z_]+\.[a-z_0-9]+=)")
+MOMENTS = {"exp_avg": "m", "exp_avg_sq": "v"}  # short names in the table
 SAY = {"train": "training in", "skip": "skipped, finished run in", "resume": "resuming", "restart":
        "restarting (stopped before its first checkpoint)"}
 
@@ -37,8 +45,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.allow_abbrev = False  # `--recipe` is a train key, not an abbreviation of --recipes
     p.description = "Any other argument is lowbit train's: an optional CONFIG.toml and --section.key=value " \
                     "overrides (`lowbit train --help`), the same for every recipe."
-    p.add_argument("--recipes", required=True, help="comma-separated recipes (`lowbit recipes`); include bf16 "
-                                                    "for the gap column, else the gap is to the first")
+    p.add_argument("--recipes", required=True, help="comma-separated recipes (`lowbit recipes`), each one "
+                                                    "optionally a variant RECIPE+section.key=value[+...] (those "
+                                                    "overrides on top of the common ones, run dir OUT/<entry>); "
+                                                    "include bf16 for the gap column, else the gap is to the first")
     p.add_argument("--out", default="runs/compare", help="directory of the runs (OUT/<recipe>) and the report")
     p.add_argument("--devices", default="", help="train the recipes concurrently, each in its own `lowbit train` "
                                                  "process (output in OUT/<recipe>.log) on the next free device of "
@@ -58,30 +68,62 @@ def parse_devices(text: str) -> list[str]:
     return devices
 
 
-def parse_recipes(text: str) -> list[str]:
+def split_entry(entry: str) -> tuple[str, list[str]]:
+    """A --recipes entry: its recipe, and its variant's overrides as `--section.key=value` arguments."""
+    base, *overrides = VARIANT_SPLIT.split(entry)
+    return base, [f"--{o}" for o in overrides]
+
+
+def parse_recipes(text: str) -> dict[str, tuple[str, list[str]]]:
+    """Each entry as given (its run's name and dir): its recipe and its variant's overrides."""
     from lowbit.recipes import RECIPES
 
     names = [n.strip() for n in text.split(",")]
+    entries = {}
     for n in names:
-        if n not in RECIPES:
-            raise LowbitError(f"compare: --recipes: {n!r} is not one of {', '.join(RECIPES)}")
-    if len(set(names)) != len(names):
+        base, overrides = split_entry(n)
+        if base not in RECIPES:
+            raise LowbitError(f"compare: --recipes: {base!r} is not one of {', '.join(RECIPES)}"
+                              + (" (a variant is RECIPE+section.key=value)" if "+" in n else ""))
+        if "/" in n or n.startswith("."):  # the entry names its run dir OUT/<entry>
+            raise LowbitError(f"compare: --recipes: {n!r} is no directory name (it contains / or starts with .)")
+        entries[n] = (base, overrides)
+    if len(entries) != len(names):
         raise LowbitError(f"compare: --recipes: {text!r} names a recipe twice")
-    return names
+    return entries
 
 
-def configs(recipes: list[str], train_args: list[str], out: Path, devices: list[str] = ()) -> dict:
-    """The config of each run: the user's, with the recipe and run dir set; all validated before any training."""
-    from lowbit.train.config import load_config, parse_overrides
+def _check_keys(overrides: list[str], devices: list[str], where: str) -> None:
+    from lowbit.train.config import parse_overrides
+
+    for key, _ in parse_overrides(list(overrides)):
+        if key in ("recipe", "run.dir", "run.resume"):
+            raise LowbitError(f"compare: {where}--{key} is set by compare for each run (--recipes, --out)")
+        if key == "run.device" and devices:
+            raise LowbitError(f"compare: {where}--run.device and --devices both say where to train; give one")
+
+
+def configs(entries: dict, train_args: list[str], out: Path, devices: list[str] = ()) -> dict:
+    """The config of each run: the user's, its variant's overrides on top, with the recipe and run dir set; all
+    validated before any training."""
+    from lowbit.train.config import load_config
 
     path, overrides = (train_args[0], train_args[1:]) if train_args and not train_args[0].startswith("--") \
         else (None, train_args)
-    for key, _ in parse_overrides(list(overrides)):
-        if key in ("recipe", "run.dir", "run.resume"):
-            raise LowbitError(f"compare: --{key} is set by compare for each run (--recipes, --out)")
-        if key == "run.device" and devices:
-            raise LowbitError("compare: --run.device and --devices both say where to train; give one")
-    return {r: load_config(path, [*overrides, f"--recipe={r}", f"--run.dir={out / r}"]) for r in recipes}
+    _check_keys(overrides, devices, "")
+    cfgs = {}
+    for name, (base, variant) in entries.items():
+        fixed = [f"--recipe={base}", f"--run.dir={out / name}"]
+        where = f"--recipes {name!r}: "
+        _check_keys(variant, devices, where)
+        try:
+            cfgs[name] = load_config(path, [*overrides, *variant, *fixed])
+        except LowbitError as e:
+            if not variant:
+                raise
+            load_config(path, [*overrides, *fixed])  # an error of the common arguments is not the variant's
+            raise LowbitError(f"compare: {where}{e}") from None
+    return cfgs
 
 
 def _flat_config(text: str) -> dict:
@@ -205,7 +247,11 @@ def read_run(run_dir: Path, low_precision: bool) -> dict:
     reached = max((r["step"] for r in records if "loss" in r), default=0)  # a step with a non-finite loss counts
     out = {"run_dir": str(run_dir), "steps": reached, "train": train, "val": val,
            "train_loss": sum(last) / len(last) if last else None, "val_loss": val[-1][1] if val else None,
-           "tokens_per_s": statistics.median(tps) if tps else None, "underflow": None, "saturated": None}
+           "tokens_per_s": statistics.median(tps) if tps else None, "underflow": None, "saturated": None,
+           "moments": None, "moments_step": None}
+    states = [r for r in records if "optim_states" in r]  # the trainer's scaled moments, at telemetry steps
+    if states:
+        out["moments"], out["moments_step"] = states[-1]["optim_states"], states[-1]["step"]
     if low_precision:
         try:
             steps, rows = load_telemetry(run_dir)
@@ -227,21 +273,30 @@ def _fmt(v, spec: str, unit: str = "") -> str:
     return "—" if v is None else format(v, spec) + unit
 
 
+def _moments(moments: dict | None) -> str:
+    if not moments:
+        return "—"
+    return ", ".join(f"{MOMENTS.get(k, k)} {m['kind']} {m['stuck_pct']:.3g}%" for k, m in moments.items())
+
+
 def table(report: dict) -> str:
     base = report["baseline"]
     lines = [f"{report['device']} | torch {report['torch']} | {report['date']} | `{report['command']}`", "",
              f"final train loss: mean of the last {LAST_N} steps; final val loss: the last validation; "
              f"gaps relative to {base}{'' if base == 'bf16' else ' (bf16 is not in --recipes)'}; tokens/s: "
              f"median of the logged windows; worst underflow (% of non-zeros flushed to zero) and saturation "
-             f"(% clamped at the format's max): the worst operand at the last telemetry step", "",
+             f"(% clamped at the format's max): the worst operand at the last telemetry step; moments: each "
+             f"Adam moment stored in a scaled format (m exp_avg, v exp_avg_sq), its format and the % of its "
+             f"non-zero stored entries that cannot decay under round-to-nearest, at the last telemetry step", "",
              f"| recipe | steps | train loss | val loss | train gap to {base} | val gap to {base} | tokens/s "
-             f"| worst underflow | worst saturation |", "|---|---:|---:|---:|---:|---:|---:|---|---|"]
+             f"| worst underflow | worst saturation | moments (stuck % of non-zeros) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in report["runs"]:
         worst = ["—" if w is None else f"{w['pct']:.3g}% {w['operand'] or ''}".strip()
                  for w in (r["underflow"], r["saturated"])]
         lines.append(f"| {r['recipe']} | {r['steps']} | {_fmt(r['train_loss'], '.4f')} | {_fmt(r['val_loss'], '.4f')} "
                      f"| {_fmt(r['train_gap_pct'], '+.2f', '%')} | {_fmt(r['val_gap_pct'], '+.2f', '%')} "
-                     f"| {_fmt(r['tokens_per_s'], '.0f')} | {worst[0]} | {worst[1]} |")
+                     f"| {_fmt(r['tokens_per_s'], '.0f')} | {worst[0]} | {worst[1]} | {_moments(r['moments'])} |")
     earlier = [r["recipe"] for r in report["runs"] if r["this_session"] == "skip"]
     if earlier:
         lines += ["", f"Trained in an earlier session (skipped now; their tokens/s are from then): "
@@ -291,10 +346,11 @@ def run(a: argparse.Namespace) -> int:
 
     if world_size() > 1:
         raise LowbitError("compare: runs its recipes one after another in one process; start it without torchrun")
-    recipes = parse_recipes(a.recipes)
+    entries = parse_recipes(a.recipes)
+    recipes = list(entries)
     devices = parse_devices(a.devices)
     out = Path(a.out)
-    cfgs = configs(recipes, a.train, out, devices)
+    cfgs = configs(entries, a.train, out, devices)
     actions = {r: plan(cfg) for r, cfg in cfgs.items()}  # every run dir checked before anything trains
     for r, cfg in cfgs.items():
         if actions[r] == "skip" or not devices:
@@ -305,7 +361,7 @@ def run(a: argparse.Namespace) -> int:
         run_concurrently(cfgs, actions, devices, out)
 
     base = "bf16" if "bf16" in recipes else recipes[0]
-    runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[r].linear is not None) for r in recipes}
+    runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[entries[r][0]].linear is not None) for r in recipes}
     report = {"device": _device_name(cfgs[base]), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": a.command, "baseline": base, "last_n": LAST_N, "runs": []}
