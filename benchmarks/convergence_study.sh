@@ -38,12 +38,13 @@ PY
     --val-fraction 0.01 || exit 1
 echo "prepared at $(( $(date +%s) - T0 )) s"
 
-# 2. The runs: 768 steps x 64 x 1024 tokens = 50.3M tokens each.
+# 2. The runs: STEPS (default 768) x 64 x 1024 tokens = 50.3M tokens each; warm-up and validation every STEPS/12.
+STEPS=${STEPS:-768}
 RECIPES=${RECIPES:-bf16,fp4,fp8-tensorwise,fp8lm-o2,fp8-delayed,nanotron-r2}
 DEVICES=${DEVICES:-cuda:0,cuda:1,cuda:0,cuda:1,cuda:0,cuda:1}
 if [ -n "${PRIOR:-}" ]; then mkdir -p "$W/runs" && cp -rn "$PRIOR"/* "$W/runs/"; fi
-ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.seq_len=1024 --train.steps=768 --train.batch_size=64
-      --train.micro_batch_size="${MICRO:-32}" --train.lr=6e-4 --train.warmup_steps=64 --train.eval_every=64
+ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.seq_len=1024 --train.steps="$STEPS" --train.batch_size=64
+      --train.micro_batch_size="${MICRO:-32}" --train.lr=6e-4 --train.warmup_steps=$((STEPS / 12)) --train.eval_every=$((STEPS / 12))
       --train.eval_batches=8 --train.log_every=16 --numerics.telemetry_every=64 --run.plot=false
       --train.compile="${COMPILE:-false}")
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
