@@ -195,3 +195,27 @@ def test_numerics_filters_from_the_command_line(tmp_path, capsys):
     line = next(x for x in out.splitlines() if "linears in low precision" in x)
     assert "recipe fp8-tensorwise: 5 linears" in line  # block 1 only, minus wk/wv (64 -> 32)
     assert "layers.0.attention.wq (first/last block)" in line and "layers.1.attention.wk (smaller than" in line
+
+
+def test_signal_during_validation_stops_with_a_checkpoint(tmp_path, capsys, monkeypatch):
+    """SIGTERM arriving while step 4 validates: the run stops after step 4 with a checkpoint and resumes from it."""
+    import os
+    import signal
+
+    from lowbit.train import trainer
+
+    evaluate = trainer.evaluate
+
+    def evaluate_then_signal(*args, **kwargs):
+        loss = evaluate(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)
+        return loss
+
+    run = tmp_path / "run"
+    monkeypatch.setattr(trainer, "evaluate", evaluate_then_signal)
+    code, out, _ = cli(capsys, "train", *SMALL, "--train.steps", "8", "--run.dir", run)
+    assert code == 0 and "stopped by signal after step 4" in out
+    assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
+    monkeypatch.setattr(trainer, "evaluate", evaluate)
+    code, out, _ = cli(capsys, "train", *SMALL, "--train.steps", "8", "--run.dir", run, "--run.resume")
+    assert code == 0 and "step 4" in out and max(losses(run)) == 8

@@ -460,13 +460,14 @@ def train(cfg: Config) -> dict:
                 say(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
                       flush=True)
                 summary["val_loss"] = val_loss
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end:
+            stopping = stop.requested  # read again: a signal during validation must also leave a checkpoint
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end or stopping:
                 save_checkpoint(step)
             paused = time.perf_counter() - pause_t0
             window_t0 += paused
             if run_t0 is not None:
                 run_t0 += paused
-            if stop.requested:
+            if stopping:
                 say(f"lowbit: stopped by signal after step {step}; resume with --run.resume", flush=True)
                 break
     metrics.close()
