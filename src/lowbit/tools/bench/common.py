@@ -30,9 +30,12 @@ def resolve_device(name: str) -> torch.device:
     from lowbit.train.trainer import resolve_device as resolve
 
     try:
-        return resolve(name)
+        device = resolve(name)
     except LowbitError as e:
         raise LowbitError(str(e).replace("run.device: ", "bench: --device ", 1)) from None
+    if device.type == "cuda" and device.index is None:  # torch.cuda.set_device needs an index (torch 2.11)
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def device_name(device: torch.device) -> str:
