@@ -287,7 +287,8 @@ def table(report: dict) -> str:
              f"median of the logged windows; worst underflow (% of non-zeros flushed to zero) and saturation "
              f"(% clamped at the format's max): the worst operand at the last telemetry step; moments: each "
              f"Adam moment stored in a scaled format (m exp_avg, v exp_avg_sq), its format and the % of its "
-             f"non-zero stored entries that cannot decay under round-to-nearest, at the last telemetry step", "",
+             f"non-zero stored entries that a decay by its beta alone leaves unchanged (under the run's "
+             f"rounding), at the last telemetry step", "",
              f"| recipe | steps | train loss | val loss | train gap to {base} | val gap to {base} | tokens/s "
              f"| worst underflow | worst saturation | moments (stuck % of non-zeros) |",
              "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
