@@ -4,7 +4,8 @@
 # through `lowbit compare --devices`. COMPILE=true: torch.compile every run (default eager).
 #   SRC=src RECIPES=a,b,c DEVICES=cuda:0,cuda:0,cuda:0 [PRIOR=dir] bash benchmarks/convergence_study.sh
 # RECIPES: those to compare (default all six); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
-# config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json.
+# config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json. CACHE:
+# see below.
 # Runs still going at DEADLINE seconds get SIGTERM (each checkpoints and stops); what came out is packed into
 # $OUT/study.tar.gz (metrics, telemetry, logs, report; no checkpoints). MICRO: micro-batch size (default 32; 64 =
 # one micro-batch per step, half the per-step overhead).
@@ -17,6 +18,11 @@ OUT=${OUT:-/tmp/study-out}
 W=/tmp/study
 T0=$(date +%s)
 mkdir -p "$W" "$OUT"
+# Compiling an FP8 run took ~3 min with 3 at once. CACHE (a tar.gz from an earlier call's $OUT/inductor.tar.gz,
+# carried) restores inductor's and Triton's caches, so only tracing is paid again; the caches go back in $OUT when
+# they fit the 16 MiB a returned file may have.
+export TORCHINDUCTOR_CACHE_DIR=$W/inductor TRITON_CACHE_DIR=$W/inductor/triton
+if [ -n "${CACHE:-}" ] && [ -f "$CACHE" ] && [ ! -d "$W/inductor" ]; then tar -xzf "$CACHE" -C "$W"; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'
 
@@ -55,4 +61,6 @@ timeout -s TERM -k 60 "$LEFT" python3 -m lowbit compare --recipes "$RECIPES" --d
 echo "compare exit $? at $(( $(date +%s) - T0 )) s"
 for r in ${RECIPES//,/ }; do echo "== $r"; tail -n 3 "$W/runs/$r.log"; done
 tar -czf "$OUT/study.tar.gz" -C "$W" --exclude=checkpoints runs data/meta.json
+tar -czf "$W/inductor.tar.gz" -C "$W" inductor 2>/dev/null && echo "inductor cache: $(du -h "$W/inductor.tar.gz" | cut -f1)"
+[ "$(stat -c %s "$W/inductor.tar.gz" 2>/dev/null || echo 999999999)" -lt 16000000 ] && mv "$W/inductor.tar.gz" "$OUT/"
 ls -la "$OUT"
