@@ -76,3 +76,25 @@ def test_compressed_activations_save_what_they_say_and_keep_the_gradient_close()
     rel = lambda g, ref: ((g - ref).norm() / ref.norm()).item()  # noqa: E731
     assert 0.005 < rel(g_coat, g8) < 0.1
     assert rel(g_coat, g_exact) < 1.25 * rel(g8, g_exact)
+
+
+def test_no_packing_without_grad():
+    """Validation and generation keep nothing for backward: the codec is not called, the output is the same."""
+    calls = []
+
+    class Counting(RowScaledCodec):
+        def pack(self, t):
+            calls.append(t.shape)
+            return super().pack(t)
+
+    model = Llama(ARGS)
+    x = torch.randint(0, ARGS.vocab_size, (2, 16))
+    exact = model(x, x).detach()
+    compress_saved_activations(model, ROW)
+    for m in model.modules():
+        if getattr(m, "codec", None) is not None:
+            m.codec = Counting(ROW)
+    with torch.no_grad():
+        assert torch.equal(model(x, x), exact) and not calls
+    model(x, x)
+    assert len(calls) == 2 * 4 + 1  # per block: 2 norms + SwiGLU's two inputs; the final norm

@@ -132,7 +132,8 @@ class RMSNorm(nn.Module):
         self.codec = None  # how x is kept for backward (None: as it came); a numerics recipe may set one
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, self.weight, self.eps, self.codec)
+        # nothing is kept without grad (validation, generation): packing would be wasted work
+        return _RMSNorm.apply(x, self.weight, self.eps, self.codec if torch.is_grad_enabled() else None)
 
 
 def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -219,7 +220,7 @@ class SwiGLU(nn.Module):
         self.codec = None
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return _SiluMul.apply(a, b, self.codec)
+        return _SiluMul.apply(a, b, self.codec if torch.is_grad_enabled() else None)
 
 
 class FeedForward(nn.Module):
