@@ -576,3 +576,35 @@ def _amax_reductions(rank, world):
 def test_fsdp_fp8_gather_uses_precomputed_amax_unless_the_weight_changed():
     counts, _ = spawn(2, _amax_reductions)[0]
     assert counts == [0, 1]
+
+
+def _train_signalled(rank, world, run_dir, cache):
+    """Rank 1 alone gets SIGTERM during step 2 (in its loss all-reduce); every rank stops after step 2 with a
+    checkpoint."""
+    import os
+    import signal
+
+    os.environ["LOWBIT_CACHE"] = cache
+    from lowbit.cli import main
+    from lowbit.train import trainer
+
+    calls, mean_over = [], trainer.mean_over
+
+    def signalled(*args, **kwargs):
+        calls.append(1)
+        if rank == 1 and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return mean_over(*args, **kwargs)
+
+    trainer.mean_over = signalled
+    assert main(["train", *SMALL, *STEPS, "--train.steps", "6", "--run.dir", run_dir, "--parallel.dp", "2"]) == 0
+    return rank
+
+
+def test_a_signal_to_one_process_stops_all_after_the_same_step(single, tmp_path):
+    from lowbit.train.checkpoint import find_resumable
+
+    _, cache = single
+    spawn(2, _train_signalled, str(tmp_path / "run"), cache)
+    assert max(losses(tmp_path / "run")) == 2  # rank 0 stops after step 2 too: the flag is agreed on
+    assert find_resumable(tmp_path / "run") is not None

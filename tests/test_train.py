@@ -198,7 +198,7 @@ def test_numerics_filters_from_the_command_line(tmp_path, capsys):
 
 
 def test_signal_during_validation_stops_with_a_checkpoint(tmp_path, capsys, monkeypatch):
-    """SIGTERM arriving while step 4 validates: the run stops after step 4 with a checkpoint and resumes from it."""
+    """SIGTERM arriving while step 4 validates: the run stops after step 5 with a checkpoint and resumes from it."""
     import os
     import signal
 
@@ -214,8 +214,8 @@ def test_signal_during_validation_stops_with_a_checkpoint(tmp_path, capsys, monk
     run = tmp_path / "run"
     monkeypatch.setattr(trainer, "evaluate", evaluate_then_signal)
     code, out, _ = cli(capsys, "train", *SMALL, "--train.steps", "8", "--run.dir", run)
-    assert code == 0 and "stopped by signal after step 4" in out
+    assert code == 0 and "stopped by signal after step 5" in out
     assert (run / "checkpoints").is_dir() and any((run / "checkpoints").iterdir())
     monkeypatch.setattr(trainer, "evaluate", evaluate)
     code, out, _ = cli(capsys, "train", *SMALL, "--train.steps", "8", "--run.dir", run, "--run.resume")
-    assert code == 0 and "step 4" in out and max(losses(run)) == 8
+    assert code == 0 and "step 5" in out and max(losses(run)) == 8

@@ -131,6 +131,15 @@ class _StopRequest:
     def _handle(self, signum, frame):
         self.requested = True
 
+    def agreed(self, device) -> bool:
+        """Whether any process was asked to stop (a MAX all-reduce over all of them)."""
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self.requested)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        self.requested = bool(flag.item())
+        return self.requested
+
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
             signal.signal(sig, handler)
@@ -452,7 +461,10 @@ def train(cfg: Config) -> dict:
                     metrics.log({"step": step, "optim_states": states})
             summary.update(step=step, loss=_finite_or_none(loss_value))
 
-            end = step == last_step or stop.requested
+            # Read once per step (a signal during validation is seen at the next step), and agreed on by every
+            # process: one that stopped alone would leave the others waiting in a collective (checkpoint, step).
+            stopping = stop.agreed(device) if mesh.world > 1 else stop.requested
+            end = step == last_step or stopping
             pause_t0 = time.perf_counter()  # validation and checkpoints are kept out of tokens/s and the ETA
             if val_data and ((t.eval_every and step % t.eval_every == 0) or end):
                 val_loss = evaluate(step_fn, val_data, device, autocast, positions, replicas, eval_pipe)
@@ -460,8 +472,7 @@ def train(cfg: Config) -> dict:
                 say(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
                       flush=True)
                 summary["val_loss"] = val_loss
-            stopping = stop.requested  # read again: a signal during validation must also leave a checkpoint
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end or stopping:
+            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end:
                 save_checkpoint(step)
             paused = time.perf_counter() - pause_t0
             window_t0 += paused
