@@ -10,7 +10,9 @@ post-accumulate hook: the wgrad GEMM's output (which every GEMM writes in high p
 as soon as it is accumulated: in eager mode, at most one layer's high-precision gradient lives at a time; a
 compiled backward hands all of them over together, so there the peak holds every one once. Micro-batches
 accumulate by rescaling: the stored gradient is decoded, the new one added in fp32, and the sum re-encoded with
-the scale of its own amax (one rounding per micro-batch, never an overflow).
+the scale of its own amax (one rounding per micro-batch, never an overflow). The hooks run eagerly even under a
+compiled model, once per parameter and micro-batch, so on GPU each one is a single compiled call (`_accumulate`);
+clearing a store costs nothing (its first add resets scale and flag), and clipping rescales every scale at once.
 """
 
 from __future__ import annotations
@@ -33,31 +35,44 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-class GradStore:
-    """A gradient kept in low precision between backward and the optimizer step."""
+def _accumulate(g, data, scale, nonfinite, kind: str, filled: bool) -> None:
+    """Quantize `g` into a store's data, scale and nonfinite flag (in place), adding the stored gradient first if
+    `filled`; an empty store starts from scale 1 and a clear flag. One compiled graph on GPU: the hooks run it
+    eagerly once per parameter and micro-batch, so unfused it is ~35 kernel launches each."""
+    if filled:
+        g = g.float() + decode(data, kind, scale)
+    amax = g.abs().amax().float()
+    bad = ~torch.isfinite(amax)  # an FP8 cast would saturate an Inf into a finite value
+    if filled:
+        nonfinite.bitwise_or_(bad)
+    else:
+        nonfinite.copy_(bad)
+        scale.fill_(1.0)  # a skipped step's clipping may have left a NaN scale
+    encode(g, kind, scale, out=data, amax=amax)
 
-    def __init__(self, p: torch.Tensor, kind: str):
+
+class GradStore:
+    """A gradient kept in low precision between backward and the optimizer step. `fn`: `_accumulate`, compiled
+    or not (a DTensor gradient always takes the eager one)."""
+
+    def __init__(self, p: torch.Tensor, kind: str, fn=_accumulate):
         self.kind = kind
         self.data = torch.zeros(p.shape, dtype=KINDS[kind][0], device=p.device)
         self.scale = torch.ones((), device=p.device)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=p.device)
         self.filled = False
+        self._fn = fn
 
     def add(self, g: torch.Tensor) -> None:
-        if self.filled:
-            g = g.float() + decode(self.data, self.kind, self.scale)
-        amax = g.abs().amax().float()
-        self.nonfinite |= ~torch.isfinite(amax)  # an FP8 cast would saturate an Inf into a finite value
-        encode(g, self.kind, self.scale, out=self.data, amax=amax)
+        (_accumulate if isinstance(g, DTensor) else self._fn)(g, self.data, self.scale, self.nonfinite, self.kind,
+                                                               self.filled)
         self.filled = True
 
     def value(self) -> torch.Tensor:
         return decode(self.data, self.kind, self.scale)
 
     def clear(self) -> None:
-        self.filled = False
-        self.nonfinite.zero_()
-        self.scale.fill_(1.0)  # a skipped step's clipping may have left a NaN scale
+        self.filled = False  # the next add resets scale and flag (inside its graph: no launches here)
 
 
 def _take_grad(p: torch.Tensor) -> None:
@@ -166,7 +181,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         # One hook per parameter, taking gradients for whichever optimizer holds it last (none: left alone).
         p._lowbit_grad_owner = None
         if prec.grads != prec.weights:
-            self._grads[p] = GradStore(p, prec.grads)
+            self._grads[p] = GradStore(p, prec.grads, self._fn(_accumulate, p.device))
             p._lowbit_grad_owner = weakref.ref(self)
             if not getattr(p, "_lowbit_grad_hooked", False):
                 p.register_post_accumulate_grad_hook(_take_grad)
@@ -220,10 +235,11 @@ class LowbitAdamW(torch.optim.Optimizer):
             coef = torch.where(torch.isfinite(total), coef, torch.ones_like(coef))  # a bad step is skipped, not scaled
             if plain:
                 torch._foreach_mul_(plain, coef.to(plain[0].device))
+            scales = [s.scale for s in stored if KINDS[s.kind][1]]
+            if scales:  # one launch, not one per parameter
+                torch._foreach_div_(scales, coef)
             for s in stored:
-                if KINDS[s.kind][1]:
-                    s.scale.div_(coef)
-                else:
+                if not KINDS[s.kind][1]:
                     s.data.mul_(coef.to(s.data.dtype))
         return total
 
