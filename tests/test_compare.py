@@ -181,3 +181,14 @@ def test_compare_reports_the_stuck_optimizer_moments(tmp_path):
     text = table({"device": "cpu", "torch": "x", "date": "d", "command": "c", "baseline": "with", "runs": runs})
     assert "moments (stuck % of non-zeros) |" in text and "leaves unchanged" in text
     assert "| m e4m3 3.14%, v e5m2 97% |" in text and text.splitlines()[-1].endswith("| — | — | — |")
+
+
+def test_a_run_dir_from_before_a_new_config_key_is_still_the_same_config():
+    from lowbit.tools.compare import _flat_config, _same_config
+    from lowbit.train.config import load_config, to_toml
+
+    now = _flat_config(to_toml(load_config(None, ["--train.lr=0.002"])))
+    old = {k: v for k, v in now.items() if k != "optim.rounding"}  # written before optim.rounding existed
+    assert _same_config(old, now)
+    assert not _same_config(old, {**now, "optim.rounding": "stochastic"})  # a new key set away from its default
+    assert not _same_config({**old, "train.lr": 0.001}, now)

@@ -135,6 +135,14 @@ def _flat_config(text: str) -> dict:
     return flat
 
 
+def _same_config(saved: dict, now: dict) -> bool:
+    """A key the saved config lacks (added to lowbit after that run) counts as equal when it has its default."""
+    from lowbit.train.config import Config, to_toml
+
+    defaults = _flat_config(to_toml(Config()))
+    return saved == {k: v for k, v in now.items() if k in saved or v != defaults.get(k)}
+
+
 def _device_kind(device: str) -> str:
     import torch
 
@@ -150,7 +158,7 @@ def plan(cfg) -> str:
     if not (run_dir / "metrics.jsonl").exists() and not ckpt.list_checkpoints(run_dir):
         return "train"
     saved = run_dir / "config.toml"
-    if saved.is_file() and _flat_config(saved.read_text()) != _flat_config(to_toml(cfg)):
+    if saved.is_file() and not _same_config(_flat_config(saved.read_text()), _flat_config(to_toml(cfg))):
         raise LowbitError(f"compare: {run_dir} was trained with another config than this one (see its "
                           f"config.toml); choose another --out or delete it")
     try:  # train writes summary.json last, with the step it reached

@@ -137,8 +137,7 @@ class _StopRequest:
 
         flag = torch.tensor([float(self.requested)], device=device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        self.requested = bool(flag.item())
-        return self.requested
+        return bool(flag.item())  # not written back: a signal arriving meanwhile joins the next step's vote
 
     def __exit__(self, *exc):
         for sig, handler in self._old.items():
@@ -164,17 +163,18 @@ def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=
     pipeline parallelism (`pipe`: schedule, stage module, micro-batches) the stages run it together."""
     was_training = model.training
     model.eval()
-    total = torch.zeros((), device=device)
+    total, count = torch.zeros((), device=device), 0
     for x, y in batches:
+        count += x.shape[0]  # each sequence weighs the same, also in a smaller last batch
         if positions is not None:
             x, y = x[:, positions.cpu()], y[:, positions.cpu()]
         with autocast():
             if pipe is not None:
-                total += pipeline.run(pipe[0], pipe[1], x.to(device), y.to(device), train=False) / pipe[2]
+                total += pipeline.run(pipe[0], pipe[1], x.to(device), y.to(device), train=False) / pipe[2] * x.shape[0]
             else:
-                total += model(x.to(device), y.to(device), positions=positions).float()
+                total += model(x.to(device), y.to(device), positions=positions).float() * x.shape[0]
     model.train(was_training)
-    return mean_over(total, group).item() / max(1, len(batches))
+    return mean_over(total, group).item() / max(1, count)
 
 
 def train(cfg: Config) -> dict:
