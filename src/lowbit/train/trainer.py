@@ -165,14 +165,15 @@ def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=
     model.eval()
     total, count = torch.zeros((), device=device), 0
     for x, y in batches:
-        count += x.shape[0]  # each sequence weighs the same, also in a smaller last batch
+        b = x.shape[0]  # each sequence weighs the same, also in a smaller last batch
+        count += b
         if positions is not None:
             x, y = x[:, positions.cpu()], y[:, positions.cpu()]
         with autocast():
             if pipe is not None:
-                total += pipeline.run(pipe[0], pipe[1], x.to(device), y.to(device), train=False) / pipe[2] * x.shape[0]
+                total += pipeline.run(pipe[0], pipe[1], x.to(device), y.to(device), train=False) / pipe[2] * b
             else:
-                total += model(x.to(device), y.to(device), positions=positions).float() * x.shape[0]
+                total += model(x.to(device), y.to(device), positions=positions).float() * b
     model.train(was_training)
     return mean_over(total, group).item() / max(1, count)
 
@@ -368,7 +369,8 @@ def train(cfg: Config) -> dict:
         while step < last_step:
             step += 1
             x, y = loader.batch(step - 1)
-            telemetry = lp_layers and n.telemetry_every and (step % n.telemetry_every == 0 or step == 1)
+            telemetry_step = n.telemetry_every and (step % n.telemetry_every == 0 or step == 1)
+            telemetry = lp_layers and telemetry_step
             for layer in lp_layers.values():
                 layer.telemetry_armed = bool(telemetry)
             loss_sum = torch.zeros((), device=device)
@@ -455,7 +457,7 @@ def train(cfg: Config) -> dict:
             if telemetry:
                 metrics.log({"step": step, "numerics": {name: dict(layer.telemetry)
                                                          for name, layer in lp_layers.items()}})
-            if lead and n.telemetry_every and (step % n.telemetry_every == 0 or step == 1):
+            if lead and telemetry_step:
                 states = optimizer.state_telemetry(param_names)  # {} unless a moment is stored in a scaled kind
                 if states:
                     metrics.log({"step": step, "optim_states": states})
