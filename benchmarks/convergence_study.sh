@@ -5,14 +5,15 @@
 #   SRC=src RECIPES=a,b,c DEVICES=cuda:0,cuda:0,cuda:0 [PRIOR=dir] bash benchmarks/convergence_study.sh
 # RECIPES: those to compare (default all six); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
 # config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json. CACHE:
-# see below.
+# see below. Without TOKENIZER (or when its file is missing) an 8192-token BPE is trained on the next 45 MB of the
+# same walk (disjoint from the corpus) and returned as $OUT/tokenizer.json: commit it, so a later series can match.
 # Runs still going at DEADLINE seconds get SIGTERM (each checkpoints and stops); what came out is packed into
 # $OUT/study.tar.gz (metrics, telemetry, logs, report; no checkpoints). MICRO: micro-batch size (default 32; 64 =
 # one micro-batch per step, half the per-step overhead).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=${SRC:-src}
-TOKENIZER=${TOKENIZER:-.gpu10/study/tokenizer/tokenizer.json}
+TOKENIZER=${TOKENIZER:-}
 DEADLINE=${DEADLINE:-555}
 OUT=${OUT:-/tmp/study-out}
 W=/tmp/study
@@ -26,20 +27,40 @@ if [ -n "${CACHE:-}" ] && [ -f "$CACHE" ] && [ ! -d "$W/inductor" ]; then tar -x
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())'
 
-# 1. The corpus: .py files under 400 kB from site-packages, walked in path order, until 230 MB.
-[ -f "$W/data/meta.json" ] || python3 - "$W/src" <<'PY'
+# 1. The corpus: .py files under 400 kB from site-packages, walked in path order, until 230 MB; the next 45 MB of
+#    the walk are the tokenizer's training sample.
+[ -f "$W/data/meta.json" ] || python3 - "$W/src" "$W/toksample" <<'PY'
 import os, shutil, site, sys
-root, dst, total, n = site.getsitepackages()[0], sys.argv[1], 0, 0
+root, dst, sample = site.getsitepackages()[0], sys.argv[1], sys.argv[2]
+sizes = {"corpus": [0, 0], "sample": [0, 0]}
 for d, dirs, files in os.walk(root):
     dirs.sort()
     for f in sorted(files):
         p = os.path.join(d, f)
-        if f.endswith(".py") and os.path.getsize(p) < 400_000 and total < 230e6:
-            os.makedirs(os.path.join(dst, os.path.relpath(d, root)), exist_ok=True)
-            shutil.copyfile(p, os.path.join(dst, os.path.relpath(p, root)))
-            total, n = total + os.path.getsize(p), n + 1
-print(f"corpus: {n} files, {total / 1e6:.0f} MB from {root}")
+        if not (f.endswith(".py") and os.path.getsize(p) < 400_000):
+            continue
+        which = "corpus" if sizes["corpus"][0] < 230e6 else "sample" if sizes["sample"][0] < 45e6 else None
+        if which:
+            to = os.path.join(dst if which == "corpus" else sample, os.path.relpath(p, root))
+            os.makedirs(os.path.dirname(to), exist_ok=True)
+            shutil.copyfile(p, to)
+            sizes[which][0] += os.path.getsize(p)
+            sizes[which][1] += 1
+for k, (b, n) in sizes.items():
+    print(f"{k}: {n} files, {b / 1e6:.0f} MB from {root}")
 PY
+if [ -z "$TOKENIZER" ] || [ ! -f "$TOKENIZER" ]; then
+    TOKENIZER=$W/tokenizer.json
+    [ -f "$TOKENIZER" ] || python3 - "$W/toksample" "$TOKENIZER" <<'PY' || exit 1
+import sys
+from lowbit.data.documents import read_documents
+from lowbit.data.tokenizer import train_tokenizer
+train_tokenizer(read_documents([sys.argv[1]]), 8192).save(sys.argv[2])
+PY
+    cp "$TOKENIZER" "$OUT/tokenizer.json"
+fi
+python3 -c "import sys; from lowbit.data.tokenizer import load_tokenizer, tokenizer_hash as h
+print('tokenizer', sys.argv[1], h(load_tokenizer(sys.argv[1])))" "$TOKENIZER"
 [ -f "$W/data/meta.json" ] || python3 -m lowbit prepare "$W/src" --tokenizer "$TOKENIZER" --out "$W/data" \
     --val-fraction 0.01 || exit 1
 echo "prepared at $(( $(date +%s) - T0 )) s"

@@ -24,4 +24,13 @@ case "${1:-all}" in
   fp8step)  # the second: the fp8-tensorwise step alone (its compile needs over 190 s), then memory again
     part step_fp8 "${STEP_S:-280}" step --steps 10 --warmup 2 --recipes fp8-tensorwise --no-bf16 --torchao none
     part memory2 "${MEMORY_S:-45}" memory --eager --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
+  s8)  # session 8: compiled fp8lm-o2 hooks at 125m, OCC layers, memory with torchao and coat, compiled fp4 at 350m
+    opt1b() { local name=$1 secs=$2; shift 2
+      timeout "$secs" python3 benchmarks/optim_1b.py --no-optimizer-only --out "$OUT/$name.json" "$@" 2>&1 \
+        | grep -v -E "^[WIE][0-9]{4}" > "$OUT/$name.txt"; echo "== $name (exit ${PIPESTATUS[0]})"; tail -n 8 "$OUT/$name.txt"; }
+    opt1b step_125m "${S125_S:-170}" --preset 125m --steps 10 --recipes fp8-tensorwise,nanotron-r2,fp8lm-o2
+    timeout "${OCC_S:-60}" python3 benchmarks/occ_linear.py --device cuda --tokens 16384 --dims 1024,4096 \
+      > "$OUT/occ_linear.txt" 2>&1; echo "== occ_linear (exit $?)"; tail -n 12 "$OUT/occ_linear.txt"
+    part memory "${MEMORY_S:-70}" memory --eager --recipes bf16,fp8-tensorwise,fp8-tensorwise-coat --torchao tensorwise
+    opt1b fp4_350m "${FP4_S:-250}" --preset 350m --steps 10 --recipes fp8-tensorwise,fp4 ;;
 esac
