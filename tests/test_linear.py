@@ -37,9 +37,16 @@ def test_emulation_equals_torch_scaled_mm_on_cpu(gran, fmts):
     if reason is not None:  # torch 2.11's CPU _scaled_mm has no rowwise: then there is nothing to compare with
         assert gran == "row" and "tensorwise only" in reason
         pytest.skip(reason)
-    fast = scaled_matmul(a, b)  # torch._scaled_mm
+    ours = scaled_matmul(a, b)  # on CPU: _scaled_mm's math through the fp32 GEMM
+    sa, sb = (a.scale_inv.float().reshape(()), b.scale_inv.float().reshape(())) if gran == "tensor" else \
+        (a.scale_inv.float().reshape(-1, 1), b.scale_inv.float().reshape(1, -1))
+    real = torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.float32)
+    torch.testing.assert_close(ours, real, rtol=1e-6, atol=1e-6 * real.abs().max().item())
     ref = emulate(a, b)
-    torch.testing.assert_close(fast, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    # bf16 out: one rounding of (nearly) the same fp32 result
+    torch.testing.assert_close(scaled_matmul(a, b, torch.bfloat16).float(), real, rtol=2**-8,
+                               atol=2**-8 * real.abs().max().item())
 
 
 def test_non_multiple_of_16_falls_back_and_says_why():
@@ -216,14 +223,16 @@ def test_resume_with_delayed_scaling_is_bit_exact(tmp_path, capsys):
 
 
 def test_fast_accumulation_only_in_fprop(monkeypatch):
+    import lowbit.linear
+
     calls = []
-    real = torch._scaled_mm
+    real = lowbit.linear.scaled_matmul
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("use_fast_accum"))
+        calls.append(kwargs.get("fast_accum", False))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(lowbit.linear, "scaled_matmul", spy)
     layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
     layer(torch.randn(16, 64, requires_grad=True)).sum().backward()
     assert calls == [True, False, False]  # fprop, dgrad, wgrad

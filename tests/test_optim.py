@@ -395,6 +395,26 @@ def test_an_e5m2_second_moment_decays_only_with_stochastic_rounding():
                 assert v.mean().item() / v0.mean().item() == pytest.approx(0.95 ** t, rel=0.02)
 
 
+def test_bf16_weights_without_a_master_keep_small_updates_only_with_stochastic_rounding():
+    # an Adam update of lr (m / sqrt(v) = 1 for a constant gradient) is under half the bf16 ulp of 1.0 (2^-9):
+    # round-to-nearest writes 1.0 back every step, stochastic rounding lands on 1 - steps * lr on average
+    steps, lr = 20, 1e-3
+    for rounding in ("nearest", "stochastic"):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.ones(20_000))
+        opt = LowbitAdamW([p], lr=lr, weight_decay=0.0, precision=StatePrecision(
+            weights="bf16", grads="bf16", exp_avg="e4m3", exp_avg_sq="fp16", rounding=rounding))
+        assert p.dtype == torch.bfloat16
+        for _ in range(steps):
+            _backward([p], [torch.ones(20_000)])
+            opt.step()
+            opt.zero_grad()
+        if rounding == "nearest":
+            assert torch.equal(p.float(), torch.ones(20_000))
+        else:
+            assert p.float().mean().item() == pytest.approx(1 - steps * lr, abs=2e-4)
+
+
 def test_rounding_is_checked_and_may_change_on_resume():
     with pytest.raises(LowbitError, match="optim.rounding: 'up'"):
         StatePrecision(rounding="up")

@@ -1,8 +1,9 @@
 """scaled_matmul: the one place a low-precision GEMM is computed.
 
-`torch._scaled_mm` where the device has the combination (tensorwise and rowwise FP8; on CPU and on sm89+ GPUs),
-exact emulation everywhere else: dequantize each operand (data * scale_inv) and multiply in fp32. With power-of-two
-scales (MX, `pow2=True`) the dequantized operands are exact and so is the emulation up to fp32 accumulation order.
+`torch._scaled_mm` where the device has the combination (tensorwise and rowwise FP8 on sm89+ GPUs; on CPU the same
+math through the fp32 GEMM, since torch's CPU kernel is a slow reference), exact emulation everywhere else:
+dequantize each operand (data * scale_inv) and multiply in fp32. With power-of-two scales (MX, `pow2=True`) the
+dequantized operands are exact and so is the emulation up to fp32 accumulation order.
 """
 
 from __future__ import annotations
@@ -77,7 +78,13 @@ def scaled_matmul(a: QTensor, b: QTensor, out_dtype: torch.dtype = torch.float32
             sa, sb = a.scale_inv.float().reshape(()), b.scale_inv.float().reshape(())
         else:
             sa, sb = _rowwise(a, a.shape[0]), _rowwise(b, b.shape[0]).reshape(1, -1)
-            if a.data.is_cuda and out_dtype != torch.bfloat16:
+        if not a.data.is_cuda:
+            # torch's CPU _scaled_mm is a reference loop, ~1000x slower than an fp32 GEMM. Its math through the fp32
+            # GEMM instead: FP8 x FP8 products are exact in fp32, sums in fp32, the scales applied to the result.
+            with torch.autocast("cpu", enabled=False):
+                return ((a.data.float() @ b.data.float().t()) * sa * sb).to(out_dtype)
+        if a.spec.granularity != "tensor" or b.spec.granularity != "tensor":
+            if out_dtype != torch.bfloat16:
                 # CUDA's rowwise kernel writes bf16 only (fp32 accumulation inside): as torchao, round the result
                 # to bf16, then convert (an fp32 dW or dx of an fp32 input keeps bf16's 8 bits of mantissa).
                 return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,

@@ -24,7 +24,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from lowbit.errors import LowbitError
-from lowbit.optim.precision import KINDS, StatePrecision, decode, encode
+from lowbit.optim.precision import KINDS, StatePrecision, decode, encode, stochastic_round
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
 
@@ -99,6 +99,8 @@ def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale,
     encode(v32, k_v, v_scale, out=v, rounding=rounding)
     if k_master != "none":  # a low-precision master loses updates under half its ulp unless rounded stochastically
         encode(w, k_master, master_scale, out=master, rounding=rounding)
+    elif rounding == "stochastic" and p.dtype == torch.bfloat16:  # bf16 weights are their own master: the same
+        w = stochastic_round(w, "bf16")
     p.copy_(w)
 
 

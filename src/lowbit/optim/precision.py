@@ -48,8 +48,8 @@ class StatePrecision:
 
     weights: the parameter the model computes with. master: a separate copy the update is applied to (`none`:
     the weights are the master). grads: what a gradient is kept in between backward and the step. rounding: how
-    the update writes the states it keeps (exp_avg, exp_avg_sq, master), nearest or stochastic; gradients and
-    weights always round to nearest."""
+    the update writes the states it keeps (exp_avg, exp_avg_sq, master, and bf16 weights that are their own
+    master), nearest or stochastic; gradients, and weights written from a master, always round to nearest."""
 
     weights: str = "fp32"
     master: str = "none"

@@ -100,8 +100,9 @@ class OptimConfig:
     grads: str = opt("", "covered weight gradients: fp32 | bf16 | e4m3 | e5m2 (scaled); empty: the recipe's")
     exp_avg: str = opt("", "Adam first moment of the covered weights: fp32 | bf16 | e4m3; empty: the recipe's")
     exp_avg_sq: str = opt("", "Adam second moment: fp32 | bf16 | fp16 | e4m3 | e5m2 (scaled); empty: the recipe's")
-    rounding: str = opt("", "how the update writes the moments and master copy: nearest | stochastic (unbiased: "
-                             "an E5M2 second moment can decay); empty: the recipe's (nearest)")
+    rounding: str = opt("", "how the update writes the moments, the master copy and bf16 weights without one: "
+                             "nearest | stochastic (unbiased: an E5M2 second moment can decay, small updates to bf16 "
+                             "weights add up); empty: the recipe's (nearest)")
 
 
 @dataclass
