@@ -49,7 +49,8 @@ for d, dirs, files in os.walk(root):
 for k, (b, n) in sizes.items():
     print(f"{k}: {n} files, {b / 1e6:.0f} MB from {root}")
 PY
-if [ -z "$TOKENIZER" ] || [ ! -f "$TOKENIZER" ]; then
+if [ -n "$TOKENIZER" ] && [ ! -f "$TOKENIZER" ]; then echo "TOKENIZER=$TOKENIZER is not a file"; exit 1; fi
+if [ -z "$TOKENIZER" ]; then
     TOKENIZER=$W/tokenizer.json
     [ -f "$TOKENIZER" ] || python3 - "$W/toksample" "$TOKENIZER" <<'PY' || exit 1
 import sys
@@ -59,8 +60,12 @@ train_tokenizer(read_documents([sys.argv[1]]), 8192).save(sys.argv[2])
 PY
     cp "$TOKENIZER" "$OUT/tokenizer.json"
 fi
-python3 -c "import sys; from lowbit.data.tokenizer import load_tokenizer, tokenizer_hash as h
-print('tokenizer', sys.argv[1], h(load_tokenizer(sys.argv[1])))" "$TOKENIZER"
+# data prepared by an earlier call on a warm machine must come from this tokenizer
+python3 -c "import json, os, sys; from lowbit.data.tokenizer import load_tokenizer, tokenizer_hash as h
+t = h(load_tokenizer(sys.argv[1])); print('tokenizer', sys.argv[1], t)
+m = os.path.join(sys.argv[2], 'meta.json')
+sys.exit(os.path.exists(m) and json.load(open(m))['tokenizer_hash'] != t and f'{m}: another tokenizer')" \
+    "$TOKENIZER" "$W/data" || exit 1
 [ -f "$W/data/meta.json" ] || python3 -m lowbit prepare "$W/src" --tokenizer "$TOKENIZER" --out "$W/data" \
     --val-fraction 0.01 || exit 1
 echo "prepared at $(( $(date +%s) - T0 )) s"

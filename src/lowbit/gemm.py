@@ -25,7 +25,8 @@ def _warn_once(key, msg: str) -> None:
 
 
 def fast_path_reason(a: QTensor, b: QTensor, out_dtype: torch.dtype) -> str | None:
-    """None if torch._scaled_mm can compute a @ bᵀ here, else why not (for the one-time message)."""
+    """None if the scaled path takes a @ bᵀ here (torch._scaled_mm on a GPU; its math through the fp32 GEMM on
+    CPU, for the combinations torch's CPU kernel accepts), else why not (for the one-time message)."""
     if a.data.dtype not in _FP8 or b.data.dtype not in _FP8:
         return "a format without a torch dtype"
     ga, gb = a.spec.granularity, b.spec.granularity
