@@ -99,9 +99,9 @@ class FloatFormat:
         with ``generator`` on x's device.
 
         E8M0 (unsigned powers of two, no zero): ``x`` in [2^k, 1.5*2^k) -> 2^k and [1.5*2^k, 2^(k+1))
-        -> 2^(k+1) (nearest in the linear domain, ties up), as ml_dtypes and torch cast. Positive values
-        below 2^-127 give 2^-127, and values in (2^-127, 2^-126) give 2^-126 (ml_dtypes' rule for
-        fp32 subnormals, kept so the two agree bit for bit). Zero, negatives and NaN give NaN in both
+        -> 2^(k+1) (nearest in the linear domain, ties up), as ml_dtypes (>= 0.7) and torch cast, for
+        every k down to -127; positive values below 2^-127 give 2^-127. (torch's cast, like ml_dtypes
+        before 0.7, sends all of (2^-127, 2^-126) up to 2^-126.) Zero, negatives and NaN give NaN in both
         modes: there is no zero or sign to land on, and a non-positive scale is a bug worth seeing.
         """
         x = _as_fp32(x, f"{self.name}.quantize")
@@ -137,9 +137,9 @@ class FloatFormat:
             u = torch.rand(x.shape, generator=generator, device=x.device, dtype=torch.float32)
             code = expo + (u < frac).int()
         else:
-            # Round up from mantissa 1.5 (ties up); in the fp32-subnormal binade ml_dtypes rounds up
-            # only strictly above 2^-127, which the +1 on the threshold reproduces.
-            code = expo + (man >= _MAN_HALF + sub.int()).int()
+            # Round up from mantissa 1.5 (ties up). An fp32 subnormal is man * 2^-149: 2^-127 is man 2^22
+            # (_MAN_HALF), so the binade (2^-127, 2^-126) rounds up from 1.5 * 2^22.
+            code = expo + (man >= _MAN_HALF + sub.int() * (_MAN_HALF // 2)).int()
         if saturate:
             code = code.clamp_(max=254)
         return code, invalid
