@@ -4,6 +4,7 @@ import os
 import socket
 import tempfile
 import traceback
+import warnings
 from pathlib import Path
 
 import torch
@@ -23,13 +24,13 @@ def _entry(fn, rank, world, port, out, args, env):
     torch.set_num_threads(1)
     try:
         result = fn(rank, world, *args)
+        torch.save(result, Path(out, f"{rank}.pt"))  # before teardown: the work is done and checked from here on
     except BaseException:  # the parent reports it
         Path(out, f"{rank}.err").write_text(traceback.format_exc())
         raise
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    torch.save(result, Path(out, f"{rank}.pt"))
 
 
 def spawn(world: int, fn, *args, timeout: float = 300, env: dict | None = None) -> list:
@@ -45,8 +46,14 @@ def spawn(world: int, fn, *args, timeout: float = 300, env: dict | None = None) 
             if p.is_alive():
                 p.kill()
         errors = [Path(out, f"{r}.err").read_text() for r in range(world) if Path(out, f"{r}.err").exists()]
-        if errors or any(p.exitcode != 0 for p in procs):
-            raise AssertionError(f"ranks failed (exit codes {[p.exitcode for p in procs]}):\n" + "\n".join(errors))
+        done = [Path(out, f"{r}.pt").exists() for r in range(world)]
+        # A rank killed by a signal after it saved its result died in teardown (seen once under load: gloo's
+        # "terminate called without an active exception", SIGABRT): reported, not failed. Anything else fails.
+        codes = [p.exitcode for p in procs]
+        if errors or any(c != 0 and not (c is not None and c < 0 and d) for c, d in zip(codes, done)):
+            raise AssertionError(f"ranks failed (exit codes {codes}):\n" + "\n".join(errors))
+        if any(c != 0 for c in codes):
+            warnings.warn(f"ranks exited with {codes} in teardown, after their results were saved")
         return [torch.load(Path(out, f"{r}.pt"), weights_only=False) for r in range(world)]
 
 
