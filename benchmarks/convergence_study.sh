@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 9's study: a ~97M-parameter LLaMA (the 125m preset's 12 x 768 with an 8192-token BPE) trained on >= 50M
 # tokens of Python sources (the GPU machine's site-packages) under six recipes, several runs per GPU at once
-# through `lowbit compare --devices`. COMPILE=true: torch.compile every run (default eager).
+# through `lowbit compare --devices`. COMPILE=true: torch.compile every run (default eager); COMPILE_SCOPE: its
+# train.compile_scope (default model, as series 1-3 ran; blocks compiles one block for all, in a fraction of the time).
 #   SRC=src RECIPES=a,b,c DEVICES=cuda:0,cuda:0,cuda:0 [PRIOR=dir] bash benchmarks/convergence_study.sh
 # RECIPES: those to compare (default all six); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
 # config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json. CACHE:
@@ -78,7 +79,7 @@ if [ -n "${PRIOR:-}" ]; then mkdir -p "$W/runs" && cp -rn "$PRIOR"/* "$W/runs/";
 ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.seq_len=1024 --train.steps="$STEPS" --train.batch_size=64
       --train.micro_batch_size="${MICRO:-32}" --train.lr=6e-4 --train.warmup_steps=$((STEPS / 12)) --train.eval_every=$((STEPS / 12))
       --train.eval_batches=8 --train.log_every=16 --numerics.telemetry_every=64 --run.plot=false
-      --train.compile="${COMPILE:-false}")
+      --train.compile="${COMPILE:-false}" --train.compile_scope="${COMPILE_SCOPE:-model}")
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
 [ "$LEFT" -gt 60 ] || { echo "no time left for training after preparing the data ($LEFT s)"; exit 1; }
 echo "COMMAND: lowbit compare --recipes $RECIPES --devices $DEVICES --out runs/study ${ARGS[*]}"

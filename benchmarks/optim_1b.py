@@ -25,6 +25,7 @@ import torch
 from lowbit.models.llama import Llama, resolve_model_args
 from lowbit.optim.memory import memory_report
 from lowbit.recipes import convert, get_recipe
+from lowbit.train.compile import compile_model
 from lowbit.train.config import ModelConfig, load_config, optim_precision
 from lowbit.train.trainer import build_optimizer
 
@@ -83,9 +84,9 @@ def optimizer_only(steps: int) -> list[dict]:
     return rows
 
 
-def train_step(recipe: str, steps: int, eager: bool = False) -> dict:
+def train_step(recipe: str, steps: int, eager: bool = False, scope: str = "blocks") -> dict:
     model, opt = build(recipe)
-    compiled = model if eager else torch.compile(model)
+    compiled = model if eager else compile_model(model, scope)
     x, y = batch()
 
     reports = []
@@ -124,6 +125,7 @@ def main() -> None:
     p.add_argument("--no-optimizer-only", action="store_true", help="skip part 1")
     p.add_argument("--preset", default="1b")
     p.add_argument("--eager", action="store_true", help="no torch.compile (fp4's OCC layers run eagerly anyway)")
+    p.add_argument("--compile-scope", default="blocks", choices=("blocks", "model"), help="see lowbit.train.compile")
     a = p.parse_args()
     global PRESET
     PRESET = a.preset
@@ -131,14 +133,14 @@ def main() -> None:
     header = {"device": dev, "torch": torch.__version__, "python": platform.python_version(),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "command": " ".join([sys.executable.split("/")[-1]] + sys.argv), "batch": BATCH, "seq": SEQ,
-              "preset": PRESET, "compiled": not a.eager}
+              "preset": PRESET, "compiled": not a.eager, "compile_scope": a.compile_scope}
     opt_rows = [] if a.no_optimizer_only else optimizer_only(a.steps)
     for r in opt_rows:
         print(json.dumps(r), flush=True)
     rows = []
     for recipe in a.recipes.split(","):
         try:
-            rows.append(train_step(recipe, a.steps, a.eager))
+            rows.append(train_step(recipe, a.steps, a.eager, a.compile_scope))
         except torch.OutOfMemoryError:
             rows.append({"recipe": recipe, "error": "out of memory"})
         except Exception as e:  # one failing recipe must not cost the others' numbers

@@ -309,6 +309,10 @@ class Llama(nn.Module):
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
             h = self.run_block(layer, h, cos, sin, positions)
+        return self.head(h, targets)
+
+    def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The final norm and output projection: logits, or with targets the mean cross-entropy in fp32."""
         h = self.norm(h)
         logits = h @ self.head_weight().t() if self.output is None else self.output(h)
         if targets is None:

@@ -80,6 +80,9 @@ class TrainConfig:
     dtype: str = opt("auto", "compute dtype: auto (bf16 on GPU, fp32 on CPU) | fp32 | bf16 (autocast)")
     seed: int = opt(0, "seed of initialization and data order")
     compile: bool = opt(False, "torch.compile the model")
+    compile_scope: str = opt("blocks", "what one compiled graph holds: blocks (each block and the head on its own; "
+                                       "alike blocks share one graph, so compiling costs one block) | model "
+                                       "(the whole forward; fuses across blocks, compiles every block)")
     eval_every: int = opt(50, "validation every N steps (and at the end); 0: only at the end")
     eval_batches: int = opt(8, "batches of train.batch_size sequences per validation")
     log_every: int = opt(10, "progress line every N steps")
@@ -274,6 +277,7 @@ CHOICES = {
     "model.preset": None,  # filled by models.llama (PRESETS) at validation time
     "model.attention": ("sdpa", "performer"),
     "model.checkpointing": ("none", "full", "selective"),
+    "train.compile_scope": ("blocks", "model"),
     "train.dtype": ("auto", "fp32", "bf16"),
     "parallel.cp_impl": ("ring", "rsa"),
     "parallel.cp_layout": ("zigzag", "plain"),

@@ -38,6 +38,7 @@ from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
 from lowbit.recipes import convert, covered_linears, get_recipe, with_filters
 from lowbit.train import checkpoint as ckpt
+from lowbit.train.compile import compile_model, eager
 from lowbit.train.config import Config, optim_precision, to_dict, to_toml
 from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, plot_losses, progress_line,
                                   truncate_after, warn)
@@ -286,7 +287,7 @@ def train(cfg: Config) -> dict:
         if lead:
             truncate_after(run_dir / "metrics.jsonl", start_step)
         say(f"lowbit: resuming from {resume_from} (step {start_step})")
-    step_fn = torch.compile(model) if t.compile else model
+    step_fn = compile_model(model, t.compile_scope) if t.compile else model
 
     if lead:
         (run_dir / "config.toml").write_text(to_toml(cfg))
@@ -374,9 +375,9 @@ def train(cfg: Config) -> dict:
             for layer in lp_layers.values():
                 layer.telemetry_armed = bool(telemetry)
             loss_sum = torch.zeros((), device=device)
-            # Telemetry steps run the eager model: its statistics are host-side Python, which torch.compile
-            # would have to break the graph for (same numerics either way).
-            forward = model if telemetry else step_fn
+            # Telemetry steps run eagerly: their statistics are host-side Python, which torch.compile would have
+            # to break the graph for (same numerics either way).
+            run_mode = eager if telemetry and t.compile else contextlib.nullcontext
             grad_sync.bytes_sent = 0  # this step's traffic
             context_parallel.SENT["bytes"] = tensor_parallel.SENT["bytes"] = 0
             if zero is not None:
@@ -384,11 +385,11 @@ def train(cfg: Config) -> dict:
             if positions is not None:  # this rank's shard of every sequence (parallel.cp_layout)
                 x, y = x[:, positions.cpu()], y[:, positions.cpu()]
             if pipe is not None:  # the schedule runs every micro-batch through every stage, backward included
-                with autocast():
+                with autocast(), run_mode():
                     loss_sum = pipeline.run(pipe[0], stage, x.to(device), y.to(device))
             for xm, ym in zip(*((x.split(micro), y.split(micro)) if pipe is None else ((), ()))):
-                with autocast():
-                    loss = forward(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
+                with autocast(), run_mode():
+                    loss = step_fn(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
                                    positions=positions)
                 (loss / n_micro).backward()
                 loss_sum += loss.detach()

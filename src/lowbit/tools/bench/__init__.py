@@ -79,6 +79,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
             _mlp_shape(s)
         else:
             _preset_shape(s, vocab=what != "block")
+        if what in ("step", "memory"):
+            s.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
+                           help="with --compile: each block and the head compiled on its own (blocks, the trainer's "
+                                "default) or the whole model as one graph (model)")
         if what == "mlp":
             s.add_argument("--no-quantize", action="store_true", help="skip the quantization timing")
 

@@ -13,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.tools.bench.common import Report, Table, error_row, maybe_compile, release, variants
+from lowbit.tools.bench.common import Report, Table, error_row, release, variants
 from lowbit.tools.bench.step import autocast, batch, build
+from lowbit.train.compile import compile_model
 
 
 def _leaves(t: torch.Tensor) -> list[torch.Tensor]:
@@ -60,7 +61,7 @@ class SavedBytes:
 
 
 def run_memory(a, device: torch.device, report: Report) -> None:
-    mode = "compiled" if a.compile else "eager"
+    mode = f"compiled ({a.compile_scope})" if a.compile else "eager"
     cuda = device.type == "cuda"
     t = report.table(Table("memory", f"saved for backward, `{a.preset}` forward, {a.batch} x {a.seq}",
                            [("variant", "variant", ""), ("saved_mib", "saved MiB", ",.1f"),
@@ -88,7 +89,7 @@ def run_memory(a, device: torch.device, report: Report) -> None:
             if act is not None:
                 row.update(activations_mib=act / 2**20, fixed_mib=(saved[a.batch] - act) / 2**20)
             if cuda:
-                fwd = maybe_compile(model, a.compile)
+                fwd = compile_model(model, a.compile_scope) if a.compile else model
                 with autocast(device):  # warm-up: compiles, and scaling state settles
                     fwd(x, y).backward()
                 model.zero_grad(set_to_none=True)

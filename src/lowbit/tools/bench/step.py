@@ -8,8 +8,9 @@ import time
 
 import torch
 
-from lowbit.tools.bench.common import (Report, Table, error_row, maybe_compile, release, sync, time_ms,
+from lowbit.tools.bench.common import (Report, Table, error_row, release, sync, time_ms,
                                        torchao_convert, variants)
+from lowbit.train.compile import compile_model
 
 
 def build(args, v, device: torch.device):
@@ -47,19 +48,19 @@ def run_step(a, device: torch.device, report: Report) -> None:
     from lowbit.train.metrics import gpu_peak_flops
 
     peak = gpu_peak_flops(device)
-    mode = "compiled" if a.compile else "eager"
+    mode = f"compiled ({a.compile_scope})" if a.compile else "eager"
     t = report.table(Table("step", f"training step `{a.preset}`, {a.batch} x {a.seq}, {mode}",
                            [("variant", "variant", ""), ("ms", "ms/step (median)", ".1f"),
                             ("tokens_per_s", "tokens/s", ",.0f"), ("mfu_pct", "MFU %", ".1f"),
                             ("speedup_vs_bf16", "vs bf16", ".3f"), ("vs_fp8_tensorwise", "ms vs fp8-tensorwise", ".3f"),
-                            ("peak_mem_gib", "peak GiB", ".2f")]))
+                            ("peak_mem_gib", "peak GiB", ".2f"), ("first_step_s", "first step s", ".1f")]))
     x, y = batch(a.batch, a.seq, a.vocab, device)
     for v in variants(a.recipe_list, a.torchao_list):
         row = {"variant": v.name}
         model = opt = None
         try:
             model, opt = build(a.model_args, v, device)
-            fwd = maybe_compile(model, a.compile)
+            fwd = compile_model(model, a.compile_scope) if a.compile else model
 
             def step():
                 with autocast(device):
