@@ -33,4 +33,11 @@ case "${1:-all}" in
       > "$OUT/occ_linear.txt" 2>&1; echo "== occ_linear (exit $?)"; tail -n 12 "$OUT/occ_linear.txt"
     part memory "${MEMORY_S:-70}" memory --eager --recipes bf16,fp8-tensorwise,fp8-tensorwise-coat --torchao tensorwise
     opt1b fp4_350m "${FP4_S:-250}" --preset 350m --steps 10 --recipes fp8-tensorwise,fp4 ;;
+  s9)  # session 9: regional compilation; the 1b step of every recipe family beside torchao; 125m compile time by scope
+    part step_1b "${STEP_S:-300}" step --steps 10 --warmup 2 --recipes bf16,fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4 \
+      --torchao tensorwise --compile-scope blocks
+    part step_125m_blocks "${S125_S:-60}" step --preset 125m --steps 10 --warmup 2 --recipes fp8-tensorwise --no-bf16 \
+      --torchao none --compile-scope blocks
+    part step_125m_model "${S125M_S:-150}" step --preset 125m --steps 10 --warmup 2 --recipes fp8-tensorwise \
+      --no-bf16 --torchao none --compile-scope model ;;
 esac
