@@ -2,7 +2,10 @@
 what OCC costs on top of plain FP4 and FP8, and whether torch.compile traces it.
 
     python benchmarks/occ_linear.py [--device cuda] [--tokens 4096 --dims 768,2048]
-        [--recipes fp4,fp4-no-occ,fp8-tensorwise] [--modes eager,compiled]
+        [--recipes fp4,fp4:sparse,fp4-no-occ,fp8-tensorwise] [--modes eager,compiled] [--autocast bf16]
+
+A recipe name with `:sparse` or `:dense` sets its OCC products (lowbit.fp4.OCC.products). --autocast bf16 runs the
+layer under bf16 autocast, as the trainer does on a GPU (default there; fp32 on the CPU).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -44,21 +48,28 @@ def main() -> None:
     p.add_argument("--recipes", default="fp4,fp4-no-occ,fp8-tensorwise")
     p.add_argument("--modes", default="eager,compiled")
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--autocast", default="", help="bf16 | none (default: bf16 on cuda, none on cpu)")
     a = p.parse_args()
+    bf16 = (a.autocast or ("bf16" if a.device.startswith("cuda") else "none")) == "bf16"
     k, n = map(int, a.dims.split(","))
     g = torch.Generator(a.device).manual_seed(0)
     x = torch.randn(a.tokens, k, device=a.device, generator=g)
     x[:, :: k // 8] *= 20  # a few outlier channels, as in LLaMA activations
     dy = torch.randn(a.tokens, n, device=a.device, generator=g)
-    print(f"torch {torch.__version__} | {a.device} | {a.tokens} tokens, {k} -> {n}")
+    print(f"torch {torch.__version__} | {a.device} | {a.tokens} tokens, {k} -> {n} | "
+          f"{'bf16 autocast' if bf16 else 'fp32'}")
     for recipe in a.recipes.split(","):
+        name, _, products = recipe.partition(":")
+        linear = get_recipe(name).linear
+        if products:
+            linear = replace(linear, occ=replace(linear.occ, products=products))
         for mode in a.modes.split(","):
             torch._dynamo.reset()
-            layer = LowPrecisionLinear.from_linear(torch.nn.Linear(k, n, bias=False, device=a.device),
-                                                   get_recipe(recipe).linear)
+            layer = LowPrecisionLinear.from_linear(torch.nn.Linear(k, n, bias=False, device=a.device), linear)
             fwd = torch.compile(layer, fullgraph=True) if mode == "compiled" else layer
             t = time.perf_counter()
-            ms = time_step(fwd, x, dy, a.steps, a.device)
+            with torch.autocast(a.device.split(":")[0], dtype=torch.bfloat16, enabled=bf16):
+                ms = time_step(fwd, x, dy.to(torch.bfloat16) if bf16 else dy, a.steps, a.device)
             print(f"{recipe:16s} {mode:9s} {ms:9.1f} ms fwd+bwd   (first 2 steps + {a.steps} timed: "
                   f"{time.perf_counter() - t:.0f} s)", flush=True)
 

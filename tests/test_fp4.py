@@ -55,8 +55,10 @@ def _layer(occ, dge, weight):
     return layer
 
 
-def test_fp4_forward_and_backward_against_a_reference():
-    """y = Q(clamp x)·Q(W)ᵀ + ΔY·Wᵀ; dx straight-through (as without OCC); dW = (quantized-path wgrad)·f' + dyᵀ·ΔY."""
+@pytest.mark.parametrize("products", ["dense", "sparse"])
+def test_fp4_forward_and_backward_against_a_reference(products):
+    """y = Q(clamp x)·Q(W)ᵀ + ΔY·Wᵀ; dx straight-through (as without OCC); dW = (quantized-path wgrad)·f' + dyᵀ·ΔY,
+    with OCC's products dense or sparse (fp32 here: both are the same math)."""
     from lowbit.gemm import scaled_matmul
     from lowbit.qtensor import quantize
     from lowbit.scaling import Scaling, expand_groups
@@ -67,7 +69,7 @@ def test_fp4_forward_and_backward_against_a_reference():
     w = torch.randn(32, 128, generator=g) * 0.05
     up = torch.randn(64, 32, generator=g)  # dL/dy
     out = {}
-    for occ in (None, OCC(0.99, "exact")):
+    for occ in (None, OCC(0.99, "exact", products)):
         for dge in (None, DGE()):
             layer, xi = _layer(occ, dge, w), x.clone().requires_grad_()
             y = layer(xi)
@@ -86,6 +88,24 @@ def test_fp4_forward_and_backward_against_a_reference():
     torch.testing.assert_close(out[True, True][2], wgrad * factor + up.t() @ dense, rtol=1e-5, atol=1e-5)
     ratio = out[False, True][2] / out[False, False][2]
     assert ratio.min() >= 0.2 - 1e-6 and ratio.max() <= 3 + 1e-6 and ratio.std() > 0.1
+
+
+def test_dense_products_under_bf16_autocast_match_the_fp32_sparse_ones_to_bf16_rounding():
+    """Under autocast the dense products run in bf16 (ΔY and W rounded to bf16, as the bf16 baseline computes
+    x·Wᵀ); they differ from the fp32 sparse products by bf16 rounding only."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g) / torch.rand(256, 128, generator=g).clamp(min=0.05)
+    w = torch.randn(64, 128, generator=g) * 0.05
+    up = torch.randn(256, 64, generator=g)
+    got = {}
+    for products in ("dense", "sparse"):
+        layer, xi = _layer(OCC(0.99, "exact", products), DGE(), w), x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(xi)
+        y.float().backward(up.to(y.dtype))
+        got[products] = (y.float(), layer.weight.grad)
+    for a, b in zip(got["dense"], got["sparse"]):
+        assert (a - b).abs().max().item() <= 2 ** -7 * b.abs().max().item()
 
 
 def test_sampled_quantile_sees_every_channel():

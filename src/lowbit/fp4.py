@@ -52,12 +52,19 @@ class DGE:
 class OCC:
     alpha: float = 0.99
     quantile: str = "sample"  # exact (kthvalue over every element) | sample (kthvalue over a strided sample)
+    # How ΔY·Wᵀ and ΔYᵀ·dY are computed. dense: ΔY as a dense matrix (zeros but for the outliers) in the GEMM's
+    # compute dtype (bf16 under autocast, as the bf16 baseline computes the whole product), two dense GEMMs,
+    # no host sync. sparse: torch.sparse products in fp32 (1/100 of the FLOPs at α = 0.99, but COO SpMM and two
+    # host syncs). Both keep the residual for backward as the C (index, value) pairs.
+    products: str = "dense"
 
     def __post_init__(self):
         if not 0 < self.alpha <= 1:
             raise LowbitError(f"OCC: alpha must be in (0, 1], got {self.alpha}")
         if self.quantile not in ("exact", "sample"):
             raise LowbitError(f"OCC: quantile {self.quantile!r} is not one of exact, sample")
+        if self.products not in ("dense", "sparse"):
+            raise LowbitError(f"OCC: products {self.products!r} is not one of dense, sparse")
 
 
 def _interval(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,6 +145,13 @@ def occ_residual(idx: torch.Tensor, val: torch.Tensor, shape) -> torch.Tensor:
     idx, val = idx[keep], val[keep]
     return torch.sparse_coo_tensor(torch.stack([idx // shape[1], idx % shape[1]]), val, tuple(shape),
                                    is_coalesced=True, check_invariants=False)
+
+
+def occ_dense(idx: torch.Tensor, val: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
+    """ΔY as a dense matrix of `shape` in `dtype`: the residual values added into zeros (unused slots add 0 at
+    index 0, so duplicates change nothing). Static shapes, no host sync."""
+    flat = torch.zeros(shape[0] * shape[1], dtype=dtype, device=val.device)
+    return flat.index_add_(0, idx, val.to(dtype)).view(shape[0], shape[1])
 
 
 @torch.library.custom_op("lowbit::occ_mm", mutates_args=())

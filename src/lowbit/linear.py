@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowbit.fp4 import DGE, OCC, dge_factor, occ_mm, occ_split, occ_wgrad
+from lowbit.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
 from lowbit.gemm import scaled_matmul
 from lowbit.qtensor import QTensor, quantize
 from lowbit.scaling import Scaling, ScalingState, all_max, expand_groups, group_amax, scale_from_amax
@@ -86,7 +86,10 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             # a weight all-gathered in FP8 (FSDP2) arrives quantized with the whole tensor's scale
             qw = weight.quantized() if hasattr(weight, "quantized") else quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
-            if occ_idx is not None:  # OCC compensation: the outliers' share, sparse, in the weights' precision
+            if occ_idx is not None and r.occ.products == "dense":  # OCC compensation, ΔY·Wᵀ in out_dtype
+                delta = (x.reshape(x2.shape).float() - x2.float()).to(out_dtype)
+                y = (y.float() + (delta @ weight.to(out_dtype).t()).float()).to(out_dtype)
+            elif occ_idx is not None:  # sparse, in fp32
                 y = (y.float() + occ_mm(occ_idx, occ_val, weight.float(), x2.shape[0])).to(out_dtype)
         if telemetry_layer is not None:
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
@@ -129,7 +132,10 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             if r.dge is not None:  # DGE: dL/dW = dL/dWq · f'(W scaled onto the grid)
                 scaled = weight.float() / expand_groups(w_scale_inv.float(), r.weight, weight.shape)
                 dw = (dw.float() * dge_factor(scaled, r.dge)).to(dw.dtype)
-            if occ_idx is not None:  # the compensation term's weight gradient, dyᵀ·ΔY (no quantizer: no DGE)
+            if occ_idx is not None and r.occ.products == "dense":  # the compensation's dW, dyᵀ·ΔY (no DGE)
+                delta = occ_dense(occ_idx, occ_val, (dy2.shape[0], weight.shape[1]), dy2.dtype)
+                dw = dw + (dy2.t() @ delta).to(dw.dtype)
+            elif occ_idx is not None:
                 dw = dw + occ_wgrad(occ_idx, occ_val, dy2, weight.shape[1]).t().to(dw.dtype)
         seen = torch.stack([amax if g.granularity == "tensor" else amax.new_zeros(()), bad.sum().float()]) \
             if ctx.report else None
