@@ -61,7 +61,7 @@ def main() -> None:
     for recipe in a.recipes.split(","):
         name, _, products = recipe.partition(":")
         linear = get_recipe(name).linear
-        if products:
+        if products and linear.occ is not None:
             linear = replace(linear, occ=replace(linear.occ, products=products))
         for mode in a.modes.split(","):
             torch._dynamo.reset()

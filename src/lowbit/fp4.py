@@ -13,8 +13,8 @@ k = 1 is the identity (STE); growing k sharpens f towards the hard quantizer. Th
 by f'.
 
 OCC. Activations are clamped at the α-quantile of |x| before quantization, so a few outliers no longer stretch the
-token's scale; the residual ΔY = Y − clamp(Y) (about (1 − α)·numel non-zeros) stays in high precision as a sparse
-matrix, and ΔY·Wᵀ is added to the output (and ΔYᵀ·dY to the weight gradient).
+token's scale; the residual ΔY = Y − clamp(Y) (about (1 − α)·numel non-zeros) is kept unquantized as (index,
+value) pairs, and ΔY·Wᵀ is added to the output (and ΔYᵀ·dY to the weight gradient), see `OCC.products`.
 
 So that torch.compile traces OCC without a graph break, the dynamic-size work (finding the outliers, the sparse
 products) happens inside custom ops whose outputs have static shapes: the residual is C (flat index, fp32 value)
@@ -53,9 +53,10 @@ class OCC:
     alpha: float = 0.99
     quantile: str = "sample"  # exact (kthvalue over every element) | sample (kthvalue over a strided sample)
     # How ΔY·Wᵀ and ΔYᵀ·dY are computed. dense: ΔY as a dense matrix (zeros but for the outliers) in the GEMM's
-    # compute dtype (bf16 under autocast, as the bf16 baseline computes the whole product), two dense GEMMs,
-    # no host sync. sparse: torch.sparse products in fp32 (1/100 of the FLOPs at α = 0.99, but COO SpMM and two
-    # host syncs). Both keep the residual for backward as the C (index, value) pairs.
+    # compute dtype (bf16 under autocast, as the bf16 baseline computes the whole product), two dense GEMMs the
+    # size of the layer's, no host sync of their own. sparse: torch.sparse products in fp32 (1/100 of the FLOPs
+    # at α = 0.99, but COO SpMM and a host sync each). Both keep the residual for backward as the C (index,
+    # value) pairs.
     products: str = "dense"
 
     def __post_init__(self):
@@ -148,10 +149,13 @@ def occ_residual(idx: torch.Tensor, val: torch.Tensor, shape) -> torch.Tensor:
 
 
 def occ_dense(idx: torch.Tensor, val: torch.Tensor, shape, dtype: torch.dtype) -> torch.Tensor:
-    """ΔY as a dense matrix of `shape` in `dtype`: the residual values added into zeros (unused slots add 0 at
-    index 0, so duplicates change nothing). Static shapes, no host sync."""
-    flat = torch.zeros(shape[0] * shape[1], dtype=dtype, device=val.device)
-    return flat.index_add_(0, idx, val.to(dtype)).view(shape[0], shape[1])
+    """ΔY as a dense matrix of `shape` in `dtype`: the residual values written into zeros. The outliers' indices
+    are unique; the unused slots (value 0) write to one spare element past the end, so no write races with a
+    real one and nothing needs atomics. Static shapes, no host sync."""
+    n = shape[0] * shape[1]
+    flat = torch.zeros(n + 1, dtype=dtype, device=val.device)
+    flat.index_put_((torch.where(val != 0, idx, n),), val.to(dtype))
+    return flat[:n].view(shape[0], shape[1])
 
 
 @torch.library.custom_op("lowbit::occ_mm", mutates_args=())

@@ -37,7 +37,7 @@ class LinearRecipe:
     wgrad_hp: bool = False  # compute dW = dyᵀ·x in the autocast dtype instead of low precision
     fast_accum_fprop: bool = True  # fprop on GPU with fast FP8 accumulation (as torchao); dgrad/wgrad never
     dge: DGE | None = None  # FP4 weights: differentiable gradient estimator instead of straight-through
-    occ: OCC | None = None  # outlier clamping of the input with sparse high-precision compensation
+    occ: OCC | None = None  # outlier clamping of the input, the clamped part compensated unquantized
 
 
 def _in_backward() -> bool:

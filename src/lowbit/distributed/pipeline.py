@@ -35,7 +35,7 @@ class StageModule(nn.Module):
         h = m.tok_embeddings(x) if self.first else x
         cos, sin = m.rope_cos[:h.shape[1]], m.rope_sin[:h.shape[1]]
         for i in self.blocks:
-            h = m.run_block(m.layers[i], h, cos, sin)
+            h = m.layers[i](h, cos, sin)
         return m.output(m.norm(h)) if self.last else h
 
 

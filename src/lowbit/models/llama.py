@@ -244,8 +244,19 @@ class Block(nn.Module):
         self.attention = Attention(a)
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a)
+        self.checkpointing = a.checkpointing
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
+        """The block under the activation checkpointing policy. Applied here, inside the block, so that a block
+        compiled on its own (lowbit.train.compile) traces the checkpoint and recomputes within its graph."""
+        if self.training and self.checkpointing == "full":
+            return checkpoint(self.compute, x, cos, sin, positions, use_reentrant=False)
+        if self.training and self.checkpointing == "selective":
+            return checkpoint(self.compute, x, cos, sin, positions, use_reentrant=False,
+                              context_fn=_selective_policy)
+        return self.compute(x, cos, sin, positions)
+
+    def compute(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin, positions)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -294,6 +305,12 @@ class Llama(nn.Module):
             if isinstance(m, Performer):
                 m.redraw()
 
+    def __getstate__(self):
+        # a copy or pickle drops a compiled `head` bound to this instance (lowbit.train.compile); it runs eagerly
+        state = super().__getstate__()
+        state.pop("head", None)
+        return state
+
     def head_weight(self) -> torch.Tensor:
         return self.tok_embeddings.weight if self.output is None else self.output.weight
 
@@ -308,7 +325,7 @@ class Llama(nn.Module):
             (self.rope_cos[positions], self.rope_sin[positions])
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = self.run_block(layer, h, cos, sin, positions)
+            h = layer(h, cos, sin, positions)
         return self.head(h, targets)
 
     def head(self, h: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -318,14 +335,6 @@ class Llama(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
-
-    def run_block(self, layer: Block, h: torch.Tensor, cos, sin, positions=None) -> torch.Tensor:
-        """One block, under the activation checkpointing policy (a pipeline stage runs its blocks through this)."""
-        if self.training and self.args.checkpointing == "full":
-            return checkpoint(layer, h, cos, sin, positions, use_reentrant=False)
-        if self.training and self.args.checkpointing == "selective":
-            return checkpoint(layer, h, cos, sin, positions, use_reentrant=False, context_fn=_selective_policy)
-        return layer(h, cos, sin, positions)
 
     def num_params(self, embeddings: bool = True) -> int:
         n = sum(p.numel() for p in self.parameters())

@@ -391,7 +391,8 @@ def train(cfg: Config) -> dict:
                 with autocast(), run_mode():
                     loss = step_fn(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
                                    positions=positions)
-                (loss / n_micro).backward()
+                with run_mode():
+                    (loss / n_micro).backward()
                 loss_sum += loss.detach()
             for layer in lp_layers.values():
                 layer.telemetry_armed = False
