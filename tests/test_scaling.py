@@ -143,3 +143,17 @@ def test_state_survives_state_dict_round_trip():
     for k, v in sd.items():
         assert torch.equal(b.state_dict()[k], v)
     assert b.scaling["input"].updates.item() == 3
+
+
+def test_a_copied_layer_records_its_own_backward():
+    """The gradient sink's hook belongs to one state; a deep copy gets a fresh sink whose hook records into the
+    copy (before, the copied sink had no hook and the copy's output-gradient state never moved)."""
+    import copy
+
+    from lowbit.recipes import get_recipe
+
+    layer = LowPrecisionLinear.from_linear(torch.nn.Linear(32, 16, bias=False), get_recipe("fp8-tensorwise").linear)
+    twin = copy.deepcopy(layer)
+    twin(torch.randn(8, 32)).sum().backward()
+    assert twin.scaling["grad_output"].updates.item() == 1
+    assert layer.scaling["grad_output"].updates.item() == 0

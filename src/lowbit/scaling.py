@@ -223,6 +223,11 @@ class ScalingState(nn.Module):
         self.sink(self.scale.device)
         return out
 
+    def __getstate__(self):
+        state = super().__getstate__()
+        state.pop("_sink", None)  # its hook records into this state: a copy makes its own on first use
+        return state
+
     def _observed(self, sink: torch.Tensor) -> None:
         # A layer run n times in one backward gets its n reports summed by autograd: the amax recorded is then
         # the sum (too large: a smaller scale, never an overflow). lowbit's models run each layer once.
