@@ -25,7 +25,7 @@ import torch
 from lowbit.models.llama import Llama, resolve_model_args
 from lowbit.optim.memory import memory_report
 from lowbit.recipes import convert, get_recipe
-from lowbit.train.compile import compile_model
+from lowbit.train.compile import SCOPES, compile_model
 from lowbit.train.config import ModelConfig, load_config, optim_precision
 from lowbit.train.trainer import build_optimizer
 
@@ -125,7 +125,7 @@ def main() -> None:
     p.add_argument("--no-optimizer-only", action="store_true", help="skip part 1")
     p.add_argument("--preset", default="1b")
     p.add_argument("--eager", action="store_true", help="no torch.compile (fp4's OCC layers run eagerly anyway)")
-    p.add_argument("--compile-scope", default="blocks", choices=("blocks", "model"), help="see lowbit.train.compile")
+    p.add_argument("--compile-scope", default="blocks", choices=SCOPES, help="see lowbit.train.compile")
     a = p.parse_args()
     global PRESET
     PRESET = a.preset

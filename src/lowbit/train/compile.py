@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-SCOPES = ("blocks", "model")
+from lowbit.train.config import COMPILE_SCOPES as SCOPES
 
 
 def compile_model(model, scope: str = "blocks", **options):

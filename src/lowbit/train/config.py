@@ -273,11 +273,13 @@ def parse_overrides(argv: list[str]) -> list[tuple[str, str]]:
     return out
 
 
+COMPILE_SCOPES = ("blocks", "model")  # lowbit.train.compile
+
 CHOICES = {
     "model.preset": None,  # filled by models.llama (PRESETS) at validation time
     "model.attention": ("sdpa", "performer"),
     "model.checkpointing": ("none", "full", "selective"),
-    "train.compile_scope": ("blocks", "model"),
+    "train.compile_scope": COMPILE_SCOPES,
     "train.dtype": ("auto", "fp32", "bf16"),
     "parallel.cp_impl": ("ring", "rsa"),
     "parallel.cp_layout": ("zigzag", "plain"),

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from lowbit.errors import LowbitError
+from lowbit.train.config import COMPILE_SCOPES
 
 WHAT = {
     "gemm": "torch._scaled_mm FP8 vs the bf16 matmul on the MLP's GEMM shapes",
@@ -80,7 +81,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
         else:
             _preset_shape(s, vocab=what != "block")
         if what in ("step", "memory"):
-            s.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
+            s.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                            help="with --compile: each block and the head compiled on its own (blocks, the trainer's "
                                 "default) or the whole model as one graph (model)")
         if what == "mlp":
