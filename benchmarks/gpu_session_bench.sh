@@ -13,7 +13,7 @@ part() {  # part NAME SECONDS ARGS...: lowbit bench ARGS --out $OUT/bench_NAME.j
   local name=$1 secs=$2; shift 2
   timeout "$secs" python3 -m lowbit bench "$@" --out "$OUT/bench_$name.json" 2>&1 | grep -v -E "^[WIE][0-9]{4}" \
     > "$OUT/bench_$name.txt"
-  echo "== $name (exit ${PIPESTATUS[0]})"; grep -v '^{' "$OUT/bench_$name.txt" | tail -n 22
+  echo "== $name (exit ${PIPESTATUS[0]})"; grep -v '^{' "$OUT/bench_$name.txt" | tail -n 30
 }
 case "${1:-all}" in
   all)  # the first call of 2026-11-30 (its step part ran out of time after the bf16 row)
@@ -40,4 +40,12 @@ case "${1:-all}" in
       --torchao none --compile-scope blocks
     part step_125m_model "${S125M_S:-150}" step --preset 125m --steps 10 --warmup 2 --recipes fp8-tensorwise \
       --no-bf16 --torchao none --compile-scope model ;;
+  s10)  # session 10: dense OCC products on the GPU; where the step's time goes (125m blocks, 1b every recipe family)
+    timeout "${OCC_S:-80}" python3 benchmarks/occ_linear.py --device cuda --tokens 16384 --dims 1024,4096 \
+      --recipes fp4,fp4:sparse,fp4-no-occ,fp8-tensorwise > "$OUT/occ_linear.txt" 2>&1
+    echo "== occ_linear (exit $?)"; grep -v -E "^[WIE][0-9]{4}|Warning|warn" "$OUT/occ_linear.txt" | tail -n 14
+    part profile_125m "${S125_S:-60}" step --preset 125m --steps 10 --warmup 2 --recipes bf16,fp8-tensorwise \
+      --torchao none --compile-scope blocks --profile
+    part profile_1b "${STEP_S:-420}" step --steps 10 --warmup 2 --recipes bf16,fp8-tensorwise,fp4,fp8lm-o2,nanotron-r2 \
+      --torchao tensorwise --compile-scope blocks --profile ;;
 esac

@@ -133,3 +133,26 @@ def test_saved_bytes_keeps_no_graph_alive():
     del y, z
     counter.close()
     assert len(refs) >= 2 and all(r() is None for r in refs)
+
+
+def test_bench_step_profile_times_the_phases(tmp_path, capsys):
+    out = tmp_path / "step.json"
+    code, stdout, _ = cli(capsys, "bench", "step", *FAST, *SHAPES["step"], "--torchao", "none", "--profile",
+                          "--out", out)
+    assert code == 0 and "where the step's time goes" in stdout
+    rows = json.loads(out.read_text())["tables"]["profile"]["rows"]
+    assert [r["variant"] for r in rows] == ["bf16", "lowbit fp8-tensorwise"]
+    for r in rows:
+        assert all(r[f"{p}_ms"] > 0 for p in ("forward", "backward", "optimizer")), r
+
+
+def test_profile_kernel_kinds_and_idle_union():
+    from lowbit.tools.bench.profile import covered, kind
+
+    assert kind("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT") == "gemm"
+    assert kind("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "gemm"
+    assert kind("triton_tem_fused_mm_0") == "gemm"
+    assert kind("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>") == "attention"
+    assert kind("triton_poi_fused__to_copy_abs_amax_0") == "fused"
+    assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "aten"
+    assert covered([(0, 4), (2, 6), (10, 11), (10.5, 10.7)]) == 7  # overlaps counted once, the gap not at all

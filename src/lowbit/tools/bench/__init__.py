@@ -84,6 +84,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
             s.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                            help="with --compile: each block and the head compiled on its own (blocks, the trainer's "
                                 "default) or the whole model as one graph (model)")
+        if what == "step":
+            s.add_argument("--profile", action="store_true",
+                           help="also time forward, backward and optimizer apart and, on a GPU, sum one step's "
+                                "kernel time by kind (GEMM, attention, fused, aten) with the GPU's idle time")
         if what == "mlp":
             s.add_argument("--no-quantize", action="store_true", help="skip the quantization timing")
 

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from lowbit.tools.bench import profile
 from lowbit.tools.bench.common import (Report, Table, error_row, release, sync, time_ms,
                                        torchao_convert, variants)
 from lowbit.train.compile import compile_model
@@ -54,21 +55,29 @@ def run_step(a, device: torch.device, report: Report) -> None:
                             ("tokens_per_s", "tokens/s", ",.0f"), ("mfu_pct", "MFU %", ".1f"),
                             ("speedup_vs_bf16", "vs bf16", ".3f"), ("vs_fp8_tensorwise", "ms vs fp8-tensorwise", ".3f"),
                             ("peak_mem_gib", "peak GiB", ".2f"), ("first_step_s", "first step s", ".1f")]))
+    prof = report.table(Table("profile", f"where the step's time goes (`{a.preset}`, {mode}; ms)",
+                              profile.columns(device))) if a.profile else None
     x, y = batch(a.batch, a.seq, a.vocab, device)
     for v in variants(a.recipe_list, a.torchao_list):
         row = {"variant": v.name}
+        prow = {"variant": v.name}
         model = opt = None
         try:
             model, opt = build(a.model_args, v, device)
             fwd = compile_model(model, a.compile_scope) if a.compile else model
 
-            def step():
+            def forward():
                 with autocast(device):
-                    loss = fwd(x, y)
-                loss.backward()
+                    return fwd(x, y)
+
+            def optimizer():
                 opt.clip_grad_norm_(1.0)
                 opt.step()
                 opt.zero_grad(set_to_none=True)
+
+            def step():
+                forward().backward()
+                optimizer()
 
             t0 = time.perf_counter()
             step()  # the first step compiles and allocates the optimizer states
@@ -84,12 +93,18 @@ def run_step(a, device: torch.device, report: Report) -> None:
             row["mfu_pct"] = 100 * row["tokens_per_s"] * flops / peak if peak else None
             if device.type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+            if prof:
+                prow["step_ms"] = row["ms"]
+                prow.update(profile.phase_ms(forward, torch.Tensor.backward, optimizer, device, a.steps))
+                prow.update(profile.kernel_ms(step, device))
         except Exception as e:
-            row.update(error_row(e))
+            (prow if "ms" in row else row).update(error_row(e))
         finally:
             model = opt = fwd = None
             release(device)
         report.row(t, row)
+        if prof and "ms" in row:
+            report.row(prof, prow)
     ref = {r["variant"]: r["ms"] for r in t.rows if "ms" in r}
     for r in t.rows:
         if "ms" in r:
@@ -97,6 +112,11 @@ def run_step(a, device: torch.device, report: Report) -> None:
                 r["speedup_vs_bf16"] = ref["bf16"] / r["ms"]
             if "lowbit fp8-tensorwise" in ref:
                 r["vs_fp8_tensorwise"] = r["ms"] / ref["lowbit fp8-tensorwise"]
+    if prof:
+        prof.notes.append("Phases: CUDA events between forward (with the loss), backward (with the gradient hooks) "
+                          "and clipping + optimizer step + zero_grad, medians over --steps. Kernels: one profiled "
+                          "step, kernel time by kind (lowbit.tools.bench.profile.KINDS); GPU idle: the part of the "
+                          "step's span no kernel covered (the GPU waited for the host).")
     if peak:
         t.notes.append(f"MFU against {peak / 1e12:.0f} TFLOP/s dense BF16; FLOPs/token from Llama.flops_per_token.")
     report.save(complete=False)
