@@ -147,7 +147,7 @@ def test_bench_step_profile_times_the_phases(tmp_path, capsys):
 
 
 def test_profile_kernel_kinds_and_idle_union():
-    from lowbit.tools.bench.profile import covered, kind
+    from lowbit.tools.bench.profile import covered, idle, kind
 
     assert kind("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT") == "gemm"
     assert kind("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "gemm"
@@ -156,3 +156,4 @@ def test_profile_kernel_kinds_and_idle_union():
     assert kind("triton_poi_fused__to_copy_abs_amax_0") == "fused"
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "aten"
     assert covered([(0, 4), (2, 6), (10, 11), (10.5, 10.7)]) == 7  # overlaps counted once, the gap not at all
+    assert idle(10.0, 7.5) == 2.5 and idle(10.0, 12.0) == 0.0  # the profiled step may outlast the timed one

@@ -103,8 +103,9 @@ def test_compare_on_devices_passes_a_signal_to_its_runs(tmp_path):
     while not (log.exists() and "step" in log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.2)  # the child is in its training loop
     parent.send_signal(signal.SIGTERM)
-    _, err = parent.communicate(timeout=120)
+    text, err = parent.communicate(timeout=120)
     assert parent.returncode == 2 and "stopped by a signal" in err, err
+    assert "bf16: stopped at step " in text and "of 400 after" in text and "finished" not in text, text
     assert "stopped by signal after step" in log.read_text() and not (out / ".bf16.toml").exists()
     stopped_at = max(losses(out / "bf16"))
     assert 0 < stopped_at < 400  # the child stopped early, with a checkpoint that compare resumes from

@@ -161,13 +161,21 @@ def plan(cfg) -> str:
     if saved.is_file() and not _same_config(_flat_config(saved.read_text()), _flat_config(to_toml(cfg))):
         raise LowbitError(f"compare: {run_dir} was trained with another config than this one (see its "
                           f"config.toml); choose another --out or delete it")
-    try:  # train writes summary.json last, with the step it reached
-        reached = json.loads((run_dir / "summary.json").read_text()).get("step")
-    except (OSError, ValueError):
-        reached = None
-    if reached == (cfg.train.stop_at or cfg.train.steps):
+    if reached(cfg) == target(cfg):
         return "skip"
     return "resume" if ckpt.list_checkpoints(run_dir) else "restart"
+
+
+def target(cfg) -> int:
+    return cfg.train.stop_at or cfg.train.steps
+
+
+def reached(cfg) -> int | None:
+    """The step a run dir's training reached (train writes summary.json last, with it), or None."""
+    try:
+        return json.loads((Path(cfg.run.dir) / "summary.json").read_text()).get("step")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _ready(cfg, action: str) -> None:
@@ -227,8 +235,11 @@ def run_concurrently(cfgs: dict, actions: dict, devices: list[str], out: Path) -
             for proc in [p for p in running if p.poll() is not None]:
                 r, device, t0 = running.pop(proc)
                 free.append(device)
-                print(f"lowbit compare: {r}: {'finished' if proc.returncode == 0 else 'FAILED'} after "
-                      f"{time.monotonic() - t0:.0f} s (exit {proc.returncode})", flush=True)
+                step = reached(cfgs[r])  # exit 0 also when a signal stopped it early, with a checkpoint
+                what = ("FAILED" if proc.returncode else "finished" if step == target(cfgs[r])
+                        else f"stopped at step {step} of {target(cfgs[r])}")
+                print(f"lowbit compare: {r}: {what} after {time.monotonic() - t0:.0f} s (exit {proc.returncode})",
+                      flush=True)
                 if proc.returncode:
                     failed.append(r)
     finally:

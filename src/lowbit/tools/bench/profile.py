@@ -1,6 +1,7 @@
 """Where a training step's time goes (`lowbit bench step --profile`): the step's phases timed apart (forward with
 the loss; backward with the gradient hooks; clipping, optimizer step and zero_grad), and, on a GPU, one profiled
-step's kernel time by kind with the time no kernel ran (the host-bound part: launches, guards, Python)."""
+step's kernel time by kind, and the part of the timed step in which no kernel ran (host-bound: launches, guards,
+Python)."""
 
 from __future__ import annotations
 
@@ -54,9 +55,11 @@ def phase_ms(forward, backward, optimizer, device: torch.device, iters: int) -> 
     return {f"{p}_ms": statistics.median(v) for p, v in times.items()}
 
 
-def kernel_ms(step, device: torch.device) -> dict:
-    """One profiled step on a GPU: kernel ms by kind, their sum, the step's span and the part of it no kernel
-    covered (`idle_ms`: the GPU waited for the host). Empty on the CPU (no kernels to tell apart)."""
+def kernel_ms(step, device: torch.device, top: int = 12) -> dict:
+    """One profiled step on a GPU: kernel ms by kind, `busy_ms` (the union of kernel intervals: streams may
+    overlap) and the `top` kernels by total time. Empty on the CPU (no kernels to tell apart). The profiler slows
+    the host, so the profiled step's own span overstates the GPU's idle time: `idle(step_ms, ...)` uses the timed
+    step instead."""
     if device.type != "cuda":
         return {}
     torch.cuda.synchronize(device)
@@ -67,14 +70,22 @@ def kernel_ms(step, device: torch.device) -> dict:
     spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
              if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
     out = {f"{k}_ms": 0.0 for k, _ in KINDS}
+    by_name: dict[str, list] = {}
     for start, end, name in spans:
         out[f"{kind(name)}_ms"] += (end - start) / 1e3
+        entry = by_name.setdefault(name, [0.0, 0])
+        entry[0] += (end - start) / 1e3
+        entry[1] += 1
     out["kernels"] = len(spans)
-    out["kernel_ms"] = sum(out[f"{k}_ms"] for k, _ in KINDS)
-    if spans:
-        out["span_ms"] = (max(e for _, e, _ in spans) - min(s for s, _, _ in spans)) / 1e3
-        out["idle_ms"] = out["span_ms"] - covered([(s, e) for s, e, _ in spans]) / 1e3
+    out["busy_ms"] = covered([(s, e) for s, e, _ in spans]) / 1e3
+    out["top"] = [{"kernel": n[:120], "kind": kind(n), "ms": ms, "calls": calls}
+                  for n, (ms, calls) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]]
     return out
+
+
+def idle(step_ms: float, busy_ms: float) -> float:
+    """Time of a step in which no kernel ran (the GPU waited for the host: launches, guards, Python)."""
+    return max(0.0, step_ms - busy_ms)
 
 
 def covered(spans: list[tuple[float, float]]) -> float:

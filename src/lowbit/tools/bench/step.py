@@ -97,6 +97,8 @@ def run_step(a, device: torch.device, report: Report) -> None:
                 prow["step_ms"] = row["ms"]
                 prow.update(profile.phase_ms(forward, torch.Tensor.backward, optimizer, device, a.steps))
                 prow.update(profile.kernel_ms(step, device))
+                if "busy_ms" in prow:
+                    prow["idle_ms"] = profile.idle(row["ms"], prow["busy_ms"])
         except Exception as e:
             (prow if "ms" in row else row).update(error_row(e))
         finally:
@@ -115,8 +117,9 @@ def run_step(a, device: torch.device, report: Report) -> None:
     if prof:
         prof.notes.append("Phases: CUDA events between forward (with the loss), backward (with the gradient hooks) "
                           "and clipping + optimizer step + zero_grad, medians over --steps. Kernels: one profiled "
-                          "step, kernel time by kind (lowbit.tools.bench.profile.KINDS); GPU idle: the part of the "
-                          "step's span no kernel covered (the GPU waited for the host).")
+                          "step, kernel time by kind (lowbit.tools.bench.profile.KINDS); GPU idle: the timed step less "
+                          "the profiled step's kernel-busy time (the GPU waited for the host); the JSON lists the "
+                          "top kernels.")
     if peak:
         t.notes.append(f"MFU against {peak / 1e12:.0f} TFLOP/s dense BF16; FLOPs/token from Llama.flops_per_token.")
     report.save(complete=False)
