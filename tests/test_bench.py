@@ -152,7 +152,10 @@ def test_profile_kernel_kinds_and_idle_union():
     assert kind("nvjet_tst_256x128_64x4_2x1_v_bz_coopA_TNT") == "gemm"
     assert kind("sm90_xmma_gemm_e4m3bf16_e4m3f32_f32_tn_n_tilesize128x128x128") == "gemm"
     assert kind("triton_tem_fused_mm_0") == "gemm"
-    assert kind("flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4>>") == "attention"
+    assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
+                "cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t>>>") == "attention"
+    assert kind("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
+    assert kind("triton_poi_fused__scaled_mm_abs_amax_clamp_0") == "fused"
     assert kind("triton_poi_fused__to_copy_abs_amax_0") == "fused"
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "aten"
     assert covered([(0, 4), (2, 6), (10, 11), (10.5, 10.7)]) == 7  # overlaps counted once, the gap not at all

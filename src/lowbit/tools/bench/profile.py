@@ -11,12 +11,14 @@ import time
 
 import torch
 
-# Kernel kinds, matched in this order against CUDA kernel names (cuBLAS/cuBLASLt: nvjet, sm90_xmma, cutlass, gemm;
-# inductor's GEMM templates: triton_tem; flash/cuDNN/efficient attention; inductor's fused pointwise and reductions:
-# triton_poi, triton_red, triton_per; the rest are eager aten kernels: copies, casts, foreach, reductions).
-KINDS = (("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|scaled_mm|triton_tem|splitk", re.I)),
-         ("attention", re.compile(r"flash|fmha|attention|sdpa|cudnn", re.I)),
-         ("fused", re.compile(r"^triton_")),
+# Kernel kinds, matched in this order against CUDA kernel names: attention first (FlashAttention's names carry
+# cutlass types), then inductor's fused pointwise/reduction kernels (triton_poi/red/per: quantization, norms, RoPE,
+# the compiled optimizer; their names may mention the ops they fuse, e.g. _scaled_mm), then GEMMs (cuBLAS/cuBLASLt:
+# nvjet, sm90_xmma, cutlass, gemm; inductor's GEMM templates: triton_tem); the rest are eager aten kernels (copies,
+# casts, foreach, reductions, selections) and memcpy/memset.
+KINDS = (("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
+         ("fused", re.compile(r"^triton_(poi|red|per)")),
+         ("gemm", re.compile(r"gemm|nvjet|xmma|cutlass|cublas|scaled_mm|triton_tem|splitk", re.I)),
          ("aten", re.compile(r"")))
 PHASES = ("forward", "backward", "optimizer")
 
@@ -67,8 +69,11 @@ def kernel_ms(step, device: torch.device, top: int = 12) -> dict:
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         step()
         torch.cuda.synchronize(device)
+    # CUDA-side events that are not kernels: user annotations (e.g. torch.optim's "Optimizer.step#..." range) span
+    # other kernels and would be counted twice
     spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start]
+             if e.device_type == torch.autograd.DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+             and e.time_range.end > e.time_range.start]
     out = {f"{k}_ms": 0.0 for k, _ in KINDS}
     by_name: dict[str, list] = {}
     for start, end, name in spans:

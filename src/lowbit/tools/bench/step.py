@@ -61,6 +61,7 @@ def run_step(a, device: torch.device, report: Report) -> None:
     for v in variants(a.recipe_list, a.torchao_list):
         row = {"variant": v.name}
         prow = {"variant": v.name}
+        profiling = False  # an error from here on is the profile's, not the step's
         model = opt = None
         try:
             model, opt = build(a.model_args, v, device)
@@ -94,18 +95,19 @@ def run_step(a, device: torch.device, report: Report) -> None:
             if device.type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
             if prof:
+                profiling = True
                 prow["step_ms"] = row["ms"]
                 prow.update(profile.phase_ms(forward, torch.Tensor.backward, optimizer, device, a.steps))
                 prow.update(profile.kernel_ms(step, device))
                 if "busy_ms" in prow:
                     prow["idle_ms"] = profile.idle(row["ms"], prow["busy_ms"])
         except Exception as e:
-            (prow if "ms" in row else row).update(error_row(e))
+            (prow if profiling else row).update(error_row(e))
         finally:
             model = opt = fwd = None
             release(device)
         report.row(t, row)
-        if prof and "ms" in row:
+        if profiling:
             report.row(prof, prow)
     ref = {r["variant"]: r["ms"] for r in t.rows if "ms" in r}
     for r in t.rows:
