@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from conftest import cli, losses
+from lowbit.errors import LowbitError
 from lowbit.gemm import fast_path_reason, scaled_matmul
 from lowbit.linear import LowPrecisionLinear
 from lowbit.models.llama import Llama, ModelArgs
@@ -109,6 +110,15 @@ def test_convert_filters_and_keeps_parameters():
     assert {n for n, _ in model.named_parameters()} == names  # same parameters, same names
     assert all(n.startswith("layers.1.") for n in report["converted"]) and len(report["converted"]) == 7
     assert "output (output head)" in report["kept"]
+    model = Llama(args)
+    report = convert(model, with_filters(get_recipe("fp8-tensorwise"), keep="feed_forward.w2, layers.2.*"))
+    assert sorted(report["converted"]) == sorted(f"layers.{i}.{w}" for i in range(2) for w in (
+        "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3"))
+    assert "layers.0.feed_forward.w2 (keep feed_forward.w2)" in report["kept"]
+    assert "layers.2.attention.wq (keep layers.2.*)" in report["kept"]
+    for typo in ("w4", "layers.9.*", "forward.w2"):  # endings match whole dotted parts, globs the whole name
+        with pytest.raises(LowbitError, match=f"{typo!r} matches no linear"):
+            convert(Llama(args), with_filters(get_recipe("fp8-tensorwise"), keep=typo))
     model = Llama(args)
     report = convert(model, with_filters(get_recipe("fp8-tensorwise"), min_dim=64))  # wk, wv are 64 -> 32
     assert sorted(report["converted"]) == sorted(f"layers.{i}.{w}" for i in range(3) for w in (

@@ -195,6 +195,13 @@ def test_numerics_filters_from_the_command_line(tmp_path, capsys):
     line = next(x for x in out.splitlines() if "linears in low precision" in x)
     assert "recipe fp8-tensorwise: 5 linears" in line  # block 1 only, minus wk/wv (64 -> 32)
     assert "layers.0.attention.wq (first/last block)" in line and "layers.1.attention.wk (smaller than" in line
+    code, out, _ = cli(capsys, "train", *SMALL, "--recipe", "fp8-tensorwise", "--train.steps", "1",
+                       "--numerics.keep", "w2", "--run.dir", tmp_path / "keep")
+    assert code == 0 and "recipe fp8-tensorwise: 12 linears" in out  # 2 blocks x 7, minus the two w2
+    code, _, err = cli(capsys, "train", *SMALL, "--recipe", "fp8-tensorwise", "--numerics.keep", "w4",
+                       "--run.dir", tmp_path / "typo")
+    assert code != 0 and "numerics.keep: 'w4' matches no linear" in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "typo" / "metrics.jsonl").exists()
 
 
 def test_signal_during_validation_stops_with_a_checkpoint(tmp_path, capsys, monkeypatch):

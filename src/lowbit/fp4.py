@@ -185,4 +185,4 @@ def check_fp4_dims(name: str, in_features: int, out_features: int) -> None:
     """Two FP4 values share a byte (and the GEMMs take both dims as reduction dims): both must be even."""
     if in_features % 2 or out_features % 2:
         raise LowbitError(f"FP4 on {name}: {in_features} -> {out_features} features; packed FP4 needs even "
-                          f"dimensions (keep the layer in high precision with --numerics.min_dim)")
+                          f"dimensions (keep the layer in high precision with --numerics.keep or --numerics.min_dim)")

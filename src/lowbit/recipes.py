@@ -5,6 +5,7 @@ LowPrecisionLinear ones. A recipe is data (a frozen dataclass), not a code path.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
 
 from torch import nn
 
@@ -24,6 +25,7 @@ class Recipe:
     keep_lm_head: bool = True  # the output head stays high precision (its logits feed the softmax directly)
     keep_first_last: bool = False  # the first and last transformer blocks stay high precision
     min_dim: int = 0  # linears with in or out features below this stay high precision (too small to gain)
+    keep: tuple[str, ...] = ()  # linears that stay high precision, by name: a glob ("layers.0.*") or a suffix ("w2")
     optim: StatePrecision = StatePrecision()  # storage of the covered weights and their optimizer states
     needs_grad_clip: bool = False  # the recipe is only stable with gradient clipping (train.grad_clip > 0)
     # SwiGLU's and the norms' inputs kept for backward in this format, a scale per token (COAT); None: as
@@ -96,7 +98,10 @@ def get_recipe(name: str) -> Recipe:
 
 
 def with_filters(recipe: Recipe, **filters) -> Recipe:
-    """The recipe with its module filters (keep_lm_head, keep_first_last, min_dim) overridden."""
+    """The recipe with its module filters (keep_lm_head, keep_first_last, min_dim, keep) overridden; `keep` may be
+    a comma-separated string of glob patterns."""
+    if isinstance(filters.get("keep"), str):
+        filters["keep"] = tuple(k.strip() for k in filters["keep"].split(",") if k.strip())
     return replace(recipe, **{k: v for k, v in filters.items() if v is not None})
 
 
@@ -108,7 +113,26 @@ def _kept(name: str, linear: nn.Linear, recipe: Recipe, n_layers: int | None) ->
         return "first/last block"
     if min(linear.in_features, linear.out_features) < recipe.min_dim:
         return f"smaller than min_dim {recipe.min_dim}"
+    pattern = next((k for k in recipe.keep if keep_matches(name, k)), None)
+    if pattern:
+        return f"keep {pattern}"
     return None
+
+
+def keep_matches(name: str, pattern: str) -> bool:
+    """A glob over the whole name ("layers.0.*", "*.attention.w?"), or without glob characters the name's last
+    dotted parts ("w2", "feed_forward.w2")."""
+    if any(c in pattern for c in "*?["):
+        return fnmatchcase(name, pattern)
+    return name == pattern or name.endswith("." + pattern)
+
+
+def check_keep(model: nn.Module, recipe: Recipe) -> None:
+    """Each `keep` pattern must name at least one linear: a typo would otherwise convert everything silently."""
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for k in recipe.keep:
+        if not any(keep_matches(n, k) for n in names):
+            raise LowbitError(f"numerics.keep: {k!r} matches no linear (names look like {names[0]!r})")
 
 
 def covered_linears(model: nn.Module, recipe: Recipe) -> list[str]:
@@ -125,6 +149,7 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     the recipe stores compressed). Embeddings are not linears and stay as they are."""
     report = {"converted": [], "kept": []}
     n_layers = len(model.layers) if hasattr(model, "layers") else None
+    check_keep(model, recipe)
     if recipe.saved_activations is not None:
         # keep_first_last: the edge blocks, and the final norm outside them, stay exact
         edge = ("layers.0.", f"layers.{n_layers - 1}.") if n_layers else ()

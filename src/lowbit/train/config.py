@@ -93,6 +93,8 @@ class NumericsConfig:
     keep_lm_head: bool = opt(True, "low-precision recipes leave the output head in train.dtype")
     keep_first_last: bool = opt(False, "low-precision recipes leave the first and last blocks in train.dtype")
     min_dim: int = opt(0, "linears with in or out features below this stay in train.dtype (too small to gain)")
+    keep: str = opt("", "linears that stay in train.dtype, comma-separated: a name's ending ('w2', "
+                        "'attention.wo') or a glob over the whole name ('layers.0.*')")
     telemetry_every: int = opt(50, "every N steps record amax, scale, underflow, saturation, SNR per operand; 0: off")
 
 

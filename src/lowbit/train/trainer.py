@@ -185,7 +185,7 @@ def train(cfg: Config) -> dict:
     run_dir = Path(cfg.run.dir)
     n = cfg.numerics
     recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
-                          min_dim=n.min_dim)
+                          min_dim=n.min_dim, keep=n.keep)
     precision = optim_precision(cfg)
     device = local_device(resolve_device(cfg.run.device))
     dtype = compute_dtype(t.dtype, device)
