@@ -193,3 +193,38 @@ def test_a_run_dir_from_before_a_new_config_key_is_still_the_same_config():
     assert _same_config(old, now)
     assert not _same_config(old, {**now, "optim.rounding": "stochastic"})  # a new key set away from its default
     assert not _same_config({**old, "train.lr": 0.001}, now)
+
+
+def test_compare_seeds_pairs_each_run_with_bf16_of_its_seed(compared, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--seeds", "0,1", "--out", out, *ARGS)
+    assert code == 0
+    report = json.loads((out / "compare.json").read_text())
+    names = [r["recipe"] for r in report["runs"]]
+    assert names == ["bf16+train.seed=0", "fp8-tensorwise+train.seed=0", "bf16+train.seed=1",
+                     "fp8-tensorwise+train.seed=1"]
+    assert "seed = 1" in (out / "bf16+train.seed=1" / "config.toml").read_text()
+    assert losses(out / "bf16+train.seed=0") == losses(compared / "bf16")  # seed 0 is the config's default
+    assert losses(out / "bf16+train.seed=1") != losses(compared / "bf16")
+    run = {r["recipe"]: r for r in report["runs"]}
+    fp8_1, bf16_1 = run["fp8-tensorwise+train.seed=1"], run["bf16+train.seed=1"]
+    assert fp8_1["val_gap_pct"] == pytest.approx(100 * (fp8_1["val_loss"] / bf16_1["val_loss"] - 1))  # same seed
+    assert report["seeds"] == [0, 1]
+    summary = {r["entry"]: r for r in report["seed_summary"]}
+    gaps = [run[f"fp8-tensorwise+train.seed={s}"]["val_gap_pct"] for s in (0, 1)]
+    assert summary["fp8-tensorwise"]["val_gap_pct"] == pytest.approx(
+        {"mean": sum(gaps) / 2, "min": min(gaps), "max": max(gaps)})
+    bf16_val = [run[f"bf16+train.seed={s}"]["val_loss"] for s in (0, 1)]
+    assert summary["bf16"]["val_loss_spread_pct"] == pytest.approx(
+        100 * (max(bf16_val) - min(bf16_val)) / (sum(bf16_val) / 2))
+    assert "Over seeds 0, 1" in text and "| fp8-tensorwise | 2 |" in text
+    code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--seeds", "0,1", "--out", out, *ARGS)
+    assert code == 0 and text.count("skipped, finished run") == 4
+    for args, message in ((["--seeds", "0,x"], "not a comma-separated list"), (["--seeds", "1,1"], "twice"),
+                          (["--seeds", "1", "--train.seed", "2"], "--train.seed and --seeds"),
+                          (["--seeds", "1", "--recipes", "bf16+train.seed=3"], "sets train.seed")):
+        if "--recipes" not in args:
+            args = [*args, "--recipes", RECIPES]
+        code, _, err = cli(capsys, "compare", *args, "--out", tmp_path / "bad", *ARGS)
+        assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
+        assert not (tmp_path / "bad").exists()

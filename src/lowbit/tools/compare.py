@@ -8,6 +8,11 @@ worst under/overflowing operand of each low-precision run and the stuck entries 
 A --recipes entry may be a variant, `RECIPE+section.key=value[+...]`: the recipe with these overrides on top of
 the common ones; the entry as given names its run dir and its row.
 
+--seeds 0,1,2 trains every entry once per seed (run dir OUT/<entry>+train.seed=S). A seed sets both the
+initialisation and the data order, so each run's gap is taken to bf16 of the same seed (same weights at step 0,
+same batches), and a second table gives each entry's mean gap over the seeds with its range, beside bf16's own
+spread across seeds: what a gap has to exceed to mean something.
+
 Re-running picks up where it stopped: a finished run is skipped, an unfinished one resumes from its newest good
 checkpoint, or starts again if it has none. A run dir trained under another config is an error, not reused
 (train.stop_at may differ: it says how far to go, not what to train).
@@ -49,6 +54,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                     "optionally a variant RECIPE+section.key=value[+...] (those "
                                                     "overrides on top of the common ones, run dir OUT/<entry>); "
                                                     "include bf16 for the gap column, else the gap is to the first")
+    p.add_argument("--seeds", default="", help="comma-separated seeds: each entry trained once per seed (run dir "
+                                               "OUT/<entry>+train.seed=S), gaps to bf16 of the same seed, and a "
+                                               "summary over the seeds beside bf16's own spread")
     p.add_argument("--out", default="runs/compare", help="directory of the runs (OUT/<recipe>) and the report")
     p.add_argument("--devices", default="", help="train the recipes concurrently, each in its own `lowbit train` "
                                                  "process (output in OUT/<recipe>.log) on the next free device of "
@@ -91,6 +99,62 @@ def parse_recipes(text: str) -> dict[str, tuple[str, list[str]]]:
     if len(entries) != len(names):
         raise LowbitError(f"compare: --recipes: {text!r} names a recipe twice")
     return entries
+
+
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(x) for x in text.split(",") if x.strip()] if text.strip() else []
+    except ValueError:
+        raise LowbitError(f"compare: --seeds: {text!r} is not a comma-separated list of integers") from None
+    if len(set(seeds)) != len(seeds):
+        raise LowbitError(f"compare: --seeds: {text!r} names a seed twice")
+    return seeds
+
+
+def with_seeds(entries: dict, seeds: list[int], train_args: list[str]) -> dict:
+    """Every entry once per seed, named ENTRY+train.seed=S; {name: (recipe, overrides, entry, seed)}."""
+    from lowbit.train.config import parse_overrides
+
+    if not seeds:
+        return {n: (base, over, n, None) for n, (base, over) in entries.items()}
+    if any(key == "train.seed" for key, _ in parse_overrides([a for a in train_args if a.startswith("--")])):
+        raise LowbitError("compare: --train.seed and --seeds both set the seed; give one")
+    for name, (_, over) in entries.items():
+        if any(key == "train.seed" for key, _ in parse_overrides(list(over))):
+            raise LowbitError(f"compare: --recipes {name!r} sets train.seed, and so does --seeds; give one")
+    return {f"{n}+train.seed={s}": (base, [*over, f"--train.seed={s}"], n, s)
+            for s in seeds for n, (base, over) in entries.items()}
+
+
+def seed_summary(report: dict) -> list[dict]:
+    """Per entry over its seeds: mean and range of the same-seed gaps to bf16, and each run's losses' spread."""
+    rows = []
+    for entry in dict.fromkeys(r["entry"] for r in report["runs"]):
+        runs = [r for r in report["runs"] if r["entry"] == entry]
+        row = {"entry": entry, "seeds": [r["seed"] for r in runs]}
+        for key in ("train_gap_pct", "val_gap_pct", "train_loss", "val_loss"):
+            vals = [r[key] for r in runs if r[key] is not None]
+            row[key] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)} if vals else None
+        for key in ("train_loss", "val_loss"):  # spread across seeds, in % of the mean
+            v = row[key]
+            row[f"{key}_spread_pct"] = 100.0 * (v["max"] - v["min"]) / v["mean"] if v and v["mean"] else None
+        rows.append(row)
+    return rows
+
+
+def seed_table(report: dict) -> str:
+    def span(v, unit="%"):
+        return "—" if v is None else f"{v['mean']:+.2f}{unit} ({v['min']:+.2f} to {v['max']:+.2f})"
+
+    base = report["baseline"]
+    lines = [f"Over seeds {', '.join(map(str, report['seeds']))}: each run's gap is to {base} of the same seed; mean "
+             f"(min to max). Spread: (max - min) / mean of the entry's own final losses across seeds.", "",
+             f"| entry | runs | train gap to {base} | val gap to {base} | train loss spread | val loss spread |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in report["seed_summary"]:
+        lines.append(f"| {r['entry']} | {len(r['seeds'])} | {span(r['train_gap_pct'])} | {span(r['val_gap_pct'])} "
+                     f"| {_fmt(r['train_loss_spread_pct'], '.2f', '%')} | {_fmt(r['val_loss_spread_pct'], '.2f', '%')} |")
+    return "\n".join(lines)
 
 
 def _check_keys(overrides: list[str], devices: list[str], where: str) -> None:
@@ -302,7 +366,8 @@ def table(report: dict) -> str:
     base = report["baseline"]
     lines = [f"{report['device']} | torch {report['torch']} | {report['date']} | `{report['command']}`", "",
              f"final train loss: mean of the last {LAST_N} steps; final val loss: the last validation; "
-             f"gaps relative to {base}{'' if base == 'bf16' else ' (bf16 is not in --recipes)'}; tokens/s: "
+             f"gaps relative to {base}{' of the same seed' if report.get('seeds') else ''}"
+             f"{'' if base == 'bf16' else ' (bf16 is not in --recipes)'}; tokens/s: "
              f"median of the logged windows; worst underflow (% of non-zeros flushed to zero) and saturation "
              f"(% clamped at the format's max): the worst operand at the last telemetry step; moments: each "
              f"Adam moment stored in a scaled format (m exp_avg, v exp_avg_sq), its format and the % of its "
@@ -367,10 +432,11 @@ def run(a: argparse.Namespace) -> int:
     if world_size() > 1:
         raise LowbitError("compare: runs its recipes one after another in one process; start it without torchrun")
     entries = parse_recipes(a.recipes)
-    recipes = list(entries)
+    runs_of = with_seeds(entries, parse_seeds(a.seeds), a.train)  # name -> (recipe, overrides, entry, seed)
+    recipes = list(runs_of)
     devices = parse_devices(a.devices)
     out = Path(a.out)
-    cfgs = configs(entries, a.train, out, devices)
+    cfgs = configs({n: v[:2] for n, v in runs_of.items()}, a.train, out, devices)
     actions = {r: plan(cfg) for r, cfg in cfgs.items()}  # every run dir checked before anything trains
     for r, cfg in cfgs.items():
         if actions[r] == "skip" or not devices:
@@ -380,18 +446,23 @@ def run(a: argparse.Namespace) -> int:
     if devices:
         run_concurrently(cfgs, actions, devices, out)
 
-    base = "bf16" if "bf16" in recipes else recipes[0]
-    runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[entries[r][0]].linear is not None) for r in recipes}
-    report = {"device": _device_name(cfgs[base]), "torch": torch.__version__,
+    base = "bf16" if "bf16" in entries else next(iter(entries))
+    base_of = {r: base if seed is None else f"{base}+train.seed={seed}" for r, (_, _, _, seed) in runs_of.items()}
+    runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[runs_of[r][0]].linear is not None) for r in recipes}
+    report = {"device": _device_name(cfgs[base_of[recipes[0]]]), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
               "command": a.command, "baseline": base, "last_n": LAST_N, "runs": []}
     for r in recipes:
-        run_ = runs[r]
-        report["runs"].append({"recipe": r, "this_session": actions[r], **run_,
-                               "train_gap_pct": _gap(run_["train_loss"], runs[base]["train_loss"]),
-                               "val_gap_pct": _gap(run_["val_loss"], runs[base]["val_loss"])})
+        run_, ref = runs[r], runs[base_of[r]]
+        report["runs"].append({"recipe": r, "entry": runs_of[r][2], "seed": runs_of[r][3],
+                               "this_session": actions[r], **run_,
+                               "train_gap_pct": _gap(run_["train_loss"], ref["train_loss"]),
+                               "val_gap_pct": _gap(run_["val_loss"], ref["val_loss"])})
+    if runs_of[recipes[0]][3] is not None:
+        report["seeds"] = list(dict.fromkeys(seed for *_, seed in runs_of.values()))
+        report["seed_summary"] = seed_summary(report)
     out.mkdir(parents=True, exist_ok=True)
-    text = table(report)
+    text = table(report) + ("\n\n" + seed_table(report) if "seeds" in report else "")
     (out / "compare.md").write_text(text + "\n")
     (out / "compare.json").write_text(json.dumps(report, indent=1))
     plot(report, out / "compare.png")
