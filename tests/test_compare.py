@@ -217,7 +217,8 @@ def test_compare_seeds_pairs_each_run_with_bf16_of_its_seed(compared, tmp_path, 
     bf16_val = [run[f"bf16+train.seed={s}"]["val_loss"] for s in (0, 1)]
     assert summary["bf16"]["val_loss_spread_pct"] == pytest.approx(
         100 * (max(bf16_val) - min(bf16_val)) / (sum(bf16_val) / 2))
-    assert "Over seeds 0, 1" in text and "| fp8-tensorwise | 2 |" in text
+    assert summary["fp8-tensorwise"]["runs"] == 2 and not summary["fp8-tensorwise"]["unfinished"]
+    assert "Over seeds 0, 1" in text and "| fp8-tensorwise | 2 |" in text and "| bf16 | 2 | — | — |" in text
     code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--seeds", "0,1", "--out", out, *ARGS)
     assert code == 0 and text.count("skipped, finished run") == 4
     for args, message in ((["--seeds", "0,x"], "not a comma-separated list"), (["--seeds", "1,1"], "twice"),

@@ -12,7 +12,7 @@ from lowbit.gemm import fast_path_reason, scaled_matmul
 from lowbit.linear import LowPrecisionLinear
 from lowbit.models.llama import Llama, ModelArgs
 from lowbit.qtensor import QTensor, quantize
-from lowbit.recipes import RECIPES, convert, get_recipe, with_filters
+from lowbit.recipes import RECIPES, convert, covered_linears, get_recipe, with_filters
 from lowbit.scaling import Scaling
 from lowbit.tools.fidelity import linear_fidelity
 
@@ -111,11 +111,17 @@ def test_convert_filters_and_keeps_parameters():
     assert all(n.startswith("layers.1.") for n in report["converted"]) and len(report["converted"]) == 7
     assert "output (output head)" in report["kept"]
     model = Llama(args)
-    report = convert(model, with_filters(get_recipe("fp8-tensorwise"), keep="feed_forward.w2, layers.2.*"))
+    kept = with_filters(get_recipe("fp8lm-o2"), keep="feed_forward.w2, layers.2.*")
+    report = convert(model, kept)
+    covered = covered_linears(model, kept)  # the weights that get the recipe's 6-byte optimizer states
+    assert len(covered) == 12 and not any(n.endswith("w2") or n.startswith("layers.2.") for n in covered)
     assert sorted(report["converted"]) == sorted(f"layers.{i}.{w}" for i in range(2) for w in (
         "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3"))
     assert "layers.0.feed_forward.w2 (keep feed_forward.w2)" in report["kept"]
     assert "layers.2.attention.wq (keep layers.2.*)" in report["kept"]
+    from lowbit.recipes import keep_patterns
+
+    assert keep_patterns(" w2; w3,w2 ,") == ("w2", "w3")  # ; as well (a compare variant holds no comma), once each
     for typo in ("w4", "layers.9.*", "forward.w2"):  # endings match whole dotted parts, globs the whole name
         with pytest.raises(LowbitError, match=f"{typo!r} matches no linear"):
             convert(Llama(args), with_filters(get_recipe("fp8-tensorwise"), keep=typo))

@@ -201,7 +201,7 @@ def test_numerics_filters_from_the_command_line(tmp_path, capsys):
     code, _, err = cli(capsys, "train", *SMALL, "--recipe", "fp8-tensorwise", "--numerics.keep", "w4",
                        "--run.dir", tmp_path / "typo")
     assert code != 0 and "numerics.keep: 'w4' matches no linear" in err and len(err.strip().splitlines()) == 1
-    assert not (tmp_path / "typo" / "metrics.jsonl").exists()
+    assert not (tmp_path / "typo").exists()  # refused by the config check, before data or directories
 
 
 def test_signal_during_validation_stops_with_a_checkpoint(tmp_path, capsys, monkeypatch):

@@ -101,7 +101,7 @@ def with_filters(recipe: Recipe, **filters) -> Recipe:
     """The recipe with its module filters (keep_lm_head, keep_first_last, min_dim, keep) overridden; `keep` may be
     a comma-separated string of glob patterns."""
     if isinstance(filters.get("keep"), str):
-        filters["keep"] = tuple(k.strip() for k in filters["keep"].split(",") if k.strip())
+        filters["keep"] = keep_patterns(filters["keep"])
     return replace(recipe, **{k: v for k, v in filters.items() if v is not None})
 
 
@@ -119,6 +119,12 @@ def _kept(name: str, linear: nn.Linear, recipe: Recipe, n_layers: int | None) ->
     return None
 
 
+def keep_patterns(text: str) -> tuple[str, ...]:
+    """numerics.keep's patterns: separated by commas, or by semicolons (a `lowbit compare` variant cannot hold a
+    comma), each once, in order."""
+    return tuple(dict.fromkeys(k.strip() for k in text.replace(";", ",").split(",") if k.strip()))
+
+
 def keep_matches(name: str, pattern: str) -> bool:
     """A glob over the whole name ("layers.0.*", "*.attention.w?"), or without glob characters the name's last
     dotted parts ("w2", "feed_forward.w2")."""
@@ -127,12 +133,14 @@ def keep_matches(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern)
 
 
-def check_keep(model: nn.Module, recipe: Recipe) -> None:
+def check_keep(model: nn.Module, keep: tuple[str, ...]) -> None:
     """Each `keep` pattern must name at least one linear: a typo would otherwise convert everything silently."""
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    for k in recipe.keep:
+    for k in keep:
         if not any(keep_matches(n, k) for n in names):
-            raise LowbitError(f"numerics.keep: {k!r} matches no linear (names look like {names[0]!r})")
+            raise LowbitError(f"numerics.keep: {k!r} matches no linear of this model (names look like "
+                              f"{names[0]!r}; give a name's ending such as 'w2' or 'attention.wo', or a glob over "
+                              f"the whole name such as 'layers.0.*' or '*.feed_forward.*')")
 
 
 def covered_linears(model: nn.Module, recipe: Recipe) -> list[str]:
@@ -149,7 +157,7 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     the recipe stores compressed). Embeddings are not linears and stay as they are."""
     report = {"converted": [], "kept": []}
     n_layers = len(model.layers) if hasattr(model, "layers") else None
-    check_keep(model, recipe)
+    check_keep(model, recipe.keep)
     if recipe.saved_activations is not None:
         # keep_first_last: the edge blocks, and the final norm outside them, stay exact
         edge = ("layers.0.", f"layers.{n_layers - 1}.") if n_layers else ()

@@ -127,13 +127,18 @@ def with_seeds(entries: dict, seeds: list[int], train_args: list[str]) -> dict:
 
 
 def seed_summary(report: dict) -> list[dict]:
-    """Per entry over its seeds: mean and range of the same-seed gaps to bf16, and each run's losses' spread."""
+    """Per entry over its seeds: mean and range of the same-seed gaps to the baseline, and the spread of its own
+    final losses. Only finished runs count (a gap also needs its baseline run finished): `runs` says how many."""
     rows = []
     for entry in dict.fromkeys(r["entry"] for r in report["runs"]):
         runs = [r for r in report["runs"] if r["entry"] == entry]
-        row = {"entry": entry, "seeds": [r["seed"] for r in runs]}
-        for key in ("train_gap_pct", "val_gap_pct", "train_loss", "val_loss"):
-            vals = [r[key] for r in runs if r[key] is not None]
+        done = [r for r in runs if r["finished"]]
+        paired = [r for r in done if r["base_finished"]]
+        row = {"entry": entry, "seeds": [r["seed"] for r in runs], "runs": len(paired),
+               "unfinished": [r["seed"] for r in runs if not r["finished"]]}
+        for key, group in (("train_gap_pct", paired), ("val_gap_pct", paired), ("train_loss", done),
+                           ("val_loss", done)):
+            vals = [r[key] for r in group if r[key] is not None]
             row[key] = {"mean": statistics.fmean(vals), "min": min(vals), "max": max(vals)} if vals else None
         for key in ("train_loss", "val_loss"):  # spread across seeds, in % of the mean
             v = row[key]
@@ -143,17 +148,23 @@ def seed_summary(report: dict) -> list[dict]:
 
 
 def seed_table(report: dict) -> str:
-    def span(v, unit="%"):
-        return "—" if v is None else f"{v['mean']:+.2f}{unit} ({v['min']:+.2f} to {v['max']:+.2f})"
-
     base = report["baseline"]
+
+    def span(v, entry):
+        if entry == base or v is None:
+            return "—"
+        return f"{v['mean']:+.2f}% ({v['min']:+.2f}% to {v['max']:+.2f}%)"
+
     lines = [f"Over seeds {', '.join(map(str, report['seeds']))}: each run's gap is to {base} of the same seed; mean "
-             f"(min to max). Spread: (max - min) / mean of the entry's own final losses across seeds.", "",
+             f"(min to max) over the finished pairs (runs). Spread: (max - min) / mean of the entry's own final "
+             f"losses across its finished seeds.", "",
              f"| entry | runs | train gap to {base} | val gap to {base} | train loss spread | val loss spread |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in report["seed_summary"]:
-        lines.append(f"| {r['entry']} | {len(r['seeds'])} | {span(r['train_gap_pct'])} | {span(r['val_gap_pct'])} "
-                     f"| {_fmt(r['train_loss_spread_pct'], '.2f', '%')} | {_fmt(r['val_loss_spread_pct'], '.2f', '%')} |")
+        unfinished = f" (unfinished: seed {', '.join(map(str, r['unfinished']))})" if r["unfinished"] else ""
+        lines.append(f"| {r['entry']}{unfinished} | {r['runs']} | {span(r['train_gap_pct'], r['entry'])} "
+                     f"| {span(r['val_gap_pct'], r['entry'])} | {_fmt(r['train_loss_spread_pct'], '.2f', '%')} "
+                     f"| {_fmt(r['val_loss_spread_pct'], '.2f', '%')} |")
     return "\n".join(lines)
 
 
@@ -396,10 +407,17 @@ def plot(report: dict, out_png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_v) = plt.subplots(1, 2, figsize=(12, 4.5))
+    # with seeds: a colour per entry, a line style per seed
+    entries = list(dict.fromkeys(r.get("entry", r["recipe"]) for r in report["runs"]))
+    seeds = report.get("seeds") or [None]
+    styles = ["-", "--", ":", "-."]
     for r in report["runs"]:
-        line = ax_t.plot(*zip(*r["train"]), lw=0.8, label=r["recipe"])[0] if r["train"] else None
+        color = f"C{entries.index(r.get('entry', r['recipe'])) % 10}"
+        ls = styles[seeds.index(r.get("seed")) % len(styles)] if r.get("seed") in seeds else "-"
+        if r["train"]:
+            ax_t.plot(*zip(*r["train"]), lw=0.8, ls=ls, color=color, label=r["recipe"])
         if r["val"]:
-            ax_v.plot(*zip(*r["val"]), "o-", ms=3, label=r["recipe"], color=line and line.get_color())
+            ax_v.plot(*zip(*r["val"]), marker="o", ls=ls, ms=3, label=r["recipe"], color=color)
     for ax, title in ((ax_t, "training loss"), (ax_v, "validation loss")):
         ax.set_xlabel("step")
         ax.set_ylabel("cross-entropy (nats/token)")
@@ -455,6 +473,8 @@ def run(a: argparse.Namespace) -> int:
     for r in recipes:
         run_, ref = runs[r], runs[base_of[r]]
         report["runs"].append({"recipe": r, "entry": runs_of[r][2], "seed": runs_of[r][3],
+                               "finished": run_["steps"] >= target(cfgs[r]),
+                               "base_finished": ref["steps"] >= target(cfgs[base_of[r]]),
                                "this_session": actions[r], **run_,
                                "train_gap_pct": _gap(run_["train_loss"], ref["train_loss"]),
                                "val_gap_pct": _gap(run_["val_loss"], ref["val_loss"])})

@@ -312,6 +312,23 @@ def get(cfg: Config, key: str):
     return getattr(getattr(cfg, section), name)
 
 
+def _check_keep(cfg: Config) -> None:
+    """numerics.keep, normalized (a config that differs only in spacing or repeats is the same config), against
+    the linears of the configured model: built on the meta device (no memory, no data: the vocabulary is a
+    stand-in), so a pattern naming nothing fails before any data is read or directory written."""
+    import torch
+
+    from lowbit.models.llama import Llama, resolve_model_args
+    from lowbit.recipes import check_keep, keep_patterns
+
+    keep = keep_patterns(cfg.numerics.keep)
+    cfg.numerics.keep = ",".join(keep)
+    if keep:
+        with torch.device("meta"):
+            model = Llama(resolve_model_args(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len))
+        check_keep(model, keep)
+
+
 def validate(cfg: Config) -> None:
     from lowbit.models.llama import PRESETS
     from lowbit.recipes import RECIPES
@@ -343,6 +360,7 @@ def validate(cfg: Config) -> None:
         raise LowbitError("run.dir: must not be empty")
     recipe = RECIPES[cfg.recipe]
     optim_precision(cfg)  # raises naming the optim key
+    _check_keep(cfg)
     if recipe.needs_grad_clip and not t.grad_clip:
         raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
