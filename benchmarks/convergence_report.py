@@ -7,6 +7,7 @@ loss of every run at common steps (so a run that stopped early is still compared
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 from lowbit.recipes import RECIPES
@@ -34,10 +35,10 @@ if a.eager:
 order = [r for r in ("bf16", "fp8-tensorwise", "fp8-delayed", "fp8lm-o2", "nanotron-r2", "fp4") if r in runs]
 order += [r for r in runs if r not in order]
 base = runs["bf16"]
+head, _, tail = compiled["command"].partition(" --recipes ")  # the call's command, with every run's recipes
+tail = re.sub(r" --(devices|out) \S+", "", re.sub(r"^\S+", "", tail))  # and without its devices and out dir
 report = {"device": a.device, "torch": compiled["torch"], "date": compiled["date"],
-          "command": compiled["command"].split(" --recipes ")[0] + " --recipes " + ",".join(
-              r for r in order if "eager" not in r) + " --devices ..." + compiled["command"].split("--out")[1][
-              len(" /tmp/study/runs"):],
+          "command": f"{head} --recipes {','.join(r for r in order if 'eager' not in r)} --devices ...{tail}",
           "baseline": "bf16", "last_n": compiled["last_n"], "runs": []}
 for r in order:
     run = runs[r]

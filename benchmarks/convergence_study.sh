@@ -4,7 +4,7 @@
 # through `lowbit compare --devices`. COMPILE=true: torch.compile every run (default eager); COMPILE_SCOPE: its
 # train.compile_scope (default model, as series 1-3 ran; blocks compiles one block for all, in a fraction of the time).
 #   SRC=src RECIPES=a,b,c DEVICES=cuda:0,cuda:0,cuda:0 [PRIOR=dir] bash benchmarks/convergence_study.sh
-# RECIPES: those to compare (default all six); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
+# RECIPES: those to compare (default all six); SEEDS: compare's --seeds (optional); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
 # config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json. CACHE:
 # see below. Without TOKENIZER (or when its file is missing) an 8192-token BPE is trained on the next 45 MB of the
 # same walk (disjoint from the corpus) and returned as $OUT/tokenizer.json: commit it, so a later series can match.
@@ -82,11 +82,12 @@ ARGS=(--model.preset=125m --model.vocab_size=8192 --data.path="$W/data" --data.s
       --train.compile="${COMPILE:-false}" --train.compile_scope="${COMPILE_SCOPE:-model}")
 LEFT=$(( DEADLINE - ($(date +%s) - T0) ))
 [ "$LEFT" -gt 60 ] || { echo "no time left for training after preparing the data ($LEFT s)"; exit 1; }
-echo "COMMAND: lowbit compare --recipes $RECIPES --devices $DEVICES --out runs/study ${ARGS[*]}"
-timeout -s TERM -k 60 "$LEFT" python3 -m lowbit compare --recipes "$RECIPES" --devices "$DEVICES" --out "$W/runs" \
-    "${ARGS[@]}"
+SEED_ARGS=(${SEEDS:+--seeds "$SEEDS"})  # SEEDS=0,1,2: every recipe once per seed (run dirs RECIPE+train.seed=S)
+echo "COMMAND: lowbit compare --recipes $RECIPES ${SEED_ARGS[*]} --devices $DEVICES --out runs/study ${ARGS[*]}"
+timeout -s TERM -k 60 "$LEFT" python3 -m lowbit compare --recipes "$RECIPES" "${SEED_ARGS[@]}" --devices "$DEVICES" \
+    --out "$W/runs" "${ARGS[@]}"
 echo "compare exit $? at $(( $(date +%s) - T0 )) s"
-for r in ${RECIPES//,/ }; do echo "== $r"; tail -n 3 "$W/runs/$r.log"; done
+for f in "$W"/runs/*.log; do echo "== $(basename "$f" .log)"; tail -n 3 "$f"; done
 tar -czf "$OUT/study.tar.gz" -C "$W" --exclude=checkpoints runs data/meta.json
 tar -czf "$W/inductor.tar.gz" -C "$W" inductor 2>/dev/null && echo "inductor cache: $(du -h "$W/inductor.tar.gz" | cut -f1)"
 [ "$(stat -c %s "$W/inductor.tar.gz" 2>/dev/null || echo 999999999)" -lt 16000000 ] && mv "$W/inductor.tar.gz" "$OUT/"
