@@ -154,3 +154,31 @@ def test_compiled_update_with_a_master_tracks_fp64_at_a_small_lr(master, bound):
     err = math.sqrt(sum(((p.double().cpu() - r) ** 2).sum().item() for p, r in zip(params, ref)))
     moved = math.sqrt(sum(((r - s) ** 2).sum().item() for r, s in zip(ref, start)))
     assert err / moved <= bound, err / moved
+
+
+def test_step_profile_sorts_real_kernel_names():
+    """`bench step --profile` on real CUDA kernels: an FP8 step's GEMMs, attention and fused kernels land in their
+    kinds, no annotation range is counted, and the busy time fits inside the sum."""
+    from lowbit.recipes import convert, get_recipe
+    from lowbit.tools.bench.profile import kernel_ms
+
+    torch.manual_seed(0)
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=512, max_seq_len=256)
+    model = Llama(args).cuda()
+    convert(model, get_recipe("fp8-tensorwise"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randint(0, 512, (4, 256), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, x)
+        loss.backward()
+        opt.step()  # torch.optim records an "Optimizer.step#..." range on the GPU timeline
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    got = kernel_ms(step, torch.device("cuda"))
+    assert got["gemm_ms"] > 0 and got["attention_ms"] > 0 and got["kernels"] > 0, got
+    assert not any(k["kernel"].startswith("Optimizer.") for k in got["top"]), got["top"]
+    total = sum(got[f"{k}_ms"] for k in ("attention", "fused", "gemm", "aten"))
+    assert 0 < got["busy_ms"] <= total * 1.001
