@@ -615,10 +615,10 @@ def _train_compiled(rank, world, run_dir, extra, cache):
     no code generation: CPU seconds)."""
     import functools
 
+    from torch._dynamo.utils import counters
+
     import lowbit.train.trainer as trainer
     from lowbit.train.compile import compile_model
-
-    from torch._dynamo.utils import counters
 
     trainer.compile_model = functools.partial(compile_model, backend="aot_eager")
     _train(rank, world, run_dir, [*extra, "--train.compile", "true"], cache)

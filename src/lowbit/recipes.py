@@ -99,7 +99,7 @@ def get_recipe(name: str) -> Recipe:
 
 def with_filters(recipe: Recipe, **filters) -> Recipe:
     """The recipe with its module filters (keep_lm_head, keep_first_last, min_dim, keep) overridden; `keep` may be
-    a comma-separated string of glob patterns."""
+    given as numerics.keep's text (`keep_patterns`)."""
     if isinstance(filters.get("keep"), str):
         filters["keep"] = keep_patterns(filters["keep"])
     return replace(recipe, **{k: v for k, v in filters.items() if v is not None})

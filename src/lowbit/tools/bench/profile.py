@@ -30,30 +30,28 @@ def kind(kernel_name: str) -> str:
 def phase_ms(forward, backward, optimizer, device: torch.device, iters: int) -> dict:
     """Median ms of each phase over `iters` steps: CUDA events between the phases on a GPU (they run in stream
     order, so each interval is that phase's GPU time plus any wait for its launches); wall clock on the CPU."""
+    cuda = device.type == "cuda"
+
+    def mark():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     times = {p: [] for p in PHASES}
     for _ in range(iters):
-        if device.type == "cuda":
-            marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-            marks[0].record()
-            loss = forward()
-            marks[1].record()
-            backward(loss)
-            marks[2].record()
-            optimizer()
-            marks[3].record()
+        marks = [mark()]
+        loss = forward()
+        marks.append(mark())
+        backward(loss)
+        marks.append(mark())
+        optimizer()
+        marks.append(mark())
+        if cuda:
             torch.cuda.synchronize(device)
-            spans = [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
-        else:
-            t = [time.perf_counter()]
-            loss = forward()
-            t.append(time.perf_counter())
-            backward(loss)
-            t.append(time.perf_counter())
-            optimizer()
-            t.append(time.perf_counter())
-            spans = [(b - a) * 1e3 for a, b in zip(t, t[1:])]
-        for p, s in zip(PHASES, spans):
-            times[p].append(s)
+        for p, a, b in zip(PHASES, marks, marks[1:]):
+            times[p].append(a.elapsed_time(b) if cuda else (b - a) * 1e3)
     return {f"{p}_ms": statistics.median(v) for p, v in times.items()}
 
 
