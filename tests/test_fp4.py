@@ -139,31 +139,42 @@ def test_occ_residual_is_compact_and_equals_the_dense_computation():
             torch.testing.assert_close(occ_wgrad(idx, val, dy, x.shape[1]), dense.t() @ dy, rtol=1e-5, atol=1e-4)
 
 
-def test_occ_overflow_keeps_the_largest_and_raises_the_clamp():
-    """More outliers than the C slots: the C largest |x| are the residual, the rest is clamped at the next one."""
+def test_occ_overflow_raises_the_clamp_by_powers_of_two_until_the_outliers_fit():
+    """More outliers than the C slots: the threshold is the first of q·2, q·4, ... that at most C exceed; those
+    are the residual, the rest is clamped there, and the split stays exact."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1024, 128, generator=g)
     x[1::2][torch.rand(512, 128, generator=g) < 0.1] *= 100  # 5% outliers, all in tokens the sample skips
     clamped, idx, val = occ_split(x, OCC(0.99))
-    c = occ_capacity(x.numel(), 0.99)  # 2%
-    top = x.abs().flatten().topk(c + 1)
-    assert top.values[-1] > 10 * abs_quantile(x, 0.99)  # the threshold did move up
-    assert torch.equal(idx, top.indices[:c].sort().values) and (val != 0).all()
-    assert clamped.abs().max() == top.values[-1]
-    assert torch.equal(clamped + occ_residual(idx, val, x.shape).to_dense(), x)  # still an exact split
+    c, q = occ_capacity(x.numel(), 0.99), abs_quantile(x, 0.99)  # C: 2%
+    t = clamped.abs().max()
+    j = torch.log2(t / q).item()
+    assert j == round(j) and 1 <= j <= 8, j  # raised, by a power of two
+    a = x.abs().flatten()
+    assert (a > t).sum() <= c < (a > t / 2).sum()  # the first that fits
+    assert torch.equal(idx[val != 0], (a > t).nonzero().squeeze(1)) and (val != 0).sum() == (a > t).sum()
+    assert torch.equal(occ_residual(idx, val, x.shape).to_dense(), x - clamped)  # still a split of x
     w = torch.randn(64, 128, generator=g) * 0.05
     y = _layer(OCC(0.99), None, w)(x)
     ref = _layer(None, None, w)(clamped) + (x - clamped) @ w.t()
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-4)
 
 
+def test_occ_without_room_below_the_maximum_clamps_nothing():
+    """A zero quantile (the sample sees only zeros) with more non-zeros than slots: no multiple of q fits, so the
+    threshold is max |x| and the layer is plain FP4 of the whole x."""
+    x = torch.zeros(4096, 64)
+    x[1:492:4] = torch.randn(123, 64, generator=torch.Generator().manual_seed(1))  # 3% non-zero, C is 2%
+    assert abs_quantile(x, 0.99) == 0
+    clamped, idx, val = occ_split(x, OCC(0.99))
+    assert torch.equal(clamped, x) and not val.any()
+
+
 def test_occ_ops_pass_opcheck():
     """Schema, fake (meta) kernels and the static output shapes torch.compile relies on."""
     x = torch.randn(64, 32) / torch.rand(64, 32).clamp(min=0.05)
-    q = abs_quantile(x, 0.99)
     idx, val = occ_split(x, OCC(0.99))[1:]
-    for op, args in [(torch.ops.lowbit.occ_outliers, (x, q, occ_capacity(x.numel(), 0.99))),
-                     (torch.ops.lowbit.occ_mm, (idx, val, torch.randn(16, 32), 64)),
+    for op, args in [(torch.ops.lowbit.occ_mm, (idx, val, torch.randn(16, 32), 64)),
                      (torch.ops.lowbit.occ_wgrad, (idx, val, torch.randn(64, 16), 32))]:
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
 

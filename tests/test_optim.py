@@ -175,6 +175,27 @@ def test_fp8_gradient_accumulation_and_clipping():
     assert torch.allclose(opt.grad_of(params[0]), got * 0.5, rtol=1e-4)
 
 
+def test_gradients_stored_in_runs_equal_storing_each_on_arrival():
+    """The hooks queue gradients and store them CHUNK at a time, the rest when the backward ends: every store
+    comes out as adding each gradient on its own does, over micro-batches, with more parameters than a run."""
+    from lowbit.optim.adamw import CHUNK, _WAITING, GradStore
+
+    g = torch.Generator().manual_seed(3)
+    params = [torch.nn.Parameter(torch.randn(8 + i % 3, 16, generator=g)) for i in range(2 * CHUNK + 3)]
+    opt = LowbitAdamW(params, precision=StatePrecision(grads="e4m3"))
+    refs = [GradStore(p, "e4m3") for p in params]
+    for step in range(3):
+        parts = _grads(step, [p.shape for p in params])
+        _backward(params, parts)
+        assert not _WAITING and all(p.grad is None for p in params)  # all stored when the backward ended
+        for ref, part in zip(refs, parts):
+            ref.add(part)
+        for p, ref in zip(params, refs):
+            store = opt._grads[p]
+            assert store.filled and torch.equal(store.data.view(torch.uint8), ref.data.view(torch.uint8))
+            assert torch.equal(store.scale, ref.scale) and torch.equal(store.nonfinite, ref.nonfinite)
+
+
 def test_state_dict_round_trip_and_mismatches():
     prec = StatePrecision(weights="bf16", master="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
     params = _params()

@@ -157,3 +157,28 @@ def test_a_copied_layer_records_its_own_backward():
     twin(torch.randn(8, 32)).sum().backward()
     assert twin.scaling["grad_output"].updates.item() == 1
     assert layer.scaling["grad_output"].updates.item() == 0
+
+
+@pytest.mark.parametrize("spec", [Scaling("e5m2", strategy="delayed", history=4, interval=2),
+                                  Scaling("e5m2", strategy="delayed", history=3, algo="most_recent", pow2=True),
+                                  Scaling("e5m2"), Scaling("e4m3", "row")])
+def test_backward_reports_are_recorded_together_as_one_at_a_time(spec):
+    """The sinks' reports wait for the end of the backward pass and are then recorded in one batch: the states
+    come out as recording each report on its own does, bad amaxes included."""
+    import copy
+
+    states = [ScalingState(spec) for _ in range(3)]
+    refs = copy.deepcopy(states)
+    amaxes = [[2.0, 0.5, 8.0], [4.0, 0.0, 1.0], [float("nan"), 3.0, 0.25], [1.0, 2.0, float("inf")], [0.5, 6, 7]]
+    for step, amax in enumerate(amaxes):
+        reports = [torch.tensor([a, float(step % 2)]) for a in amax]
+        loss = sum((st.sink(torch.device("cpu")) * r).sum() for st, r in zip(states, reports))
+        loss.backward()  # the reports are each sink's gradient
+        for ref, r in zip(refs, reports):
+            ref.observe(r[0], r[1])
+        for st, ref in zip(states, refs):
+            for name, buf in ref.state_dict().items():
+                torch.testing.assert_close(st.state_dict()[name], buf, rtol=0, atol=0, equal_nan=True, msg=f"{step} {name}")
+    # delayed counts the bad amax (0.0), current the reported bad groups (1 at odd steps)
+    assert all(st.updates.item() == 5 for st in states)
+    assert states[1].skipped.item() == (1 if spec.strategy == "delayed" else 2)
