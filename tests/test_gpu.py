@@ -182,3 +182,24 @@ def test_step_profile_sorts_real_kernel_names():
     assert not any(k["kernel"].startswith("Optimizer.") for k in got["top"]), got["top"]
     total = sum(got[f"{k}_ms"] for k in ("attention", "fused", "gemm", "aten"))
     assert 0 < got["busy_ms"] <= total * 1.001
+
+
+def test_occ_split_on_gpu_compiled_equals_cpu():
+    """The outlier selection on CUDA (topk quantile, traced and compiled by inductor) picks what the CPU's
+    (kthvalue, eager) does, with and without overflow, and launches no host sync."""
+    from lowbit.fp4 import OCC, occ_split
+
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4096, 512, generator=g) / torch.rand(4096, 512, generator=g).clamp(min=0.05)).bfloat16()
+    spiky = x.clone()
+    spiky[1::2][torch.rand(2048, 512, generator=g) < 0.1] *= 100  # overflow: outliers where the sample is not
+    split = torch.compile(lambda t: occ_split(t, OCC(0.99)), fullgraph=True)
+    for t in (x, spiky):
+        ref = occ_split(t, OCC(0.99))
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            got = split(t.cuda())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        for a, b in zip(ref, got):
+            assert torch.equal(a, b.cpu())
