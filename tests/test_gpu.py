@@ -196,6 +196,8 @@ def test_occ_split_on_gpu_compiled_equals_cpu():
     split = torch.compile(lambda t: occ_split(t, OCC(0.99)), fullgraph=True)
     for t in (x, spiky):
         ref = occ_split(t, OCC(0.99))
+        split(t.cuda())  # compile first: compiling may sync
+        torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             got = split(t.cuda())
