@@ -196,11 +196,12 @@ def test_occ_split_on_gpu_compiled_equals_cpu():
     split = torch.compile(lambda t: occ_split(t, OCC(0.99)), fullgraph=True)
     for t in (x, spiky):
         ref = occ_split(t, OCC(0.99))
-        split(t.cuda())  # compile first: compiling may sync
+        tc = t.cuda()
+        split(tc)  # compile first: compiling may sync
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            got = split(t.cuda())
+            got = split(tc)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         for a, b in zip(ref, got):
