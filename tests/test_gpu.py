@@ -206,3 +206,13 @@ def test_occ_split_on_gpu_compiled_equals_cpu():
             torch.cuda.set_sync_debug_mode("default")
         for a, b in zip(ref, got):
             assert torch.equal(a, b.cpu())
+
+
+def test_sampled_quantile_on_gpu_equals_cpu_with_a_nan():
+    """CUDA's topk-based quantile counts NaN as the largest value, as the CPU's kthvalue does."""
+    from lowbit.fp4 import abs_quantile
+
+    x = torch.randn(4096, 256, generator=torch.Generator().manual_seed(0))
+    x[0, 3] = float("nan")
+    for method in ("sample", "exact"):
+        assert torch.equal(abs_quantile(x.cuda(), 0.99, method).cpu(), abs_quantile(x, 0.99, method))

@@ -182,3 +182,32 @@ def test_backward_reports_are_recorded_together_as_one_at_a_time(spec):
     # delayed counts the bad amax (0.0), current the reported bad groups (1 at odd steps)
     assert all(st.updates.item() == 5 for st in states)
     assert states[1].skipped.item() == (1 if spec.strategy == "delayed" else 2)
+
+
+def test_reports_left_by_a_raising_backward_are_recorded_in_order_with_the_next():
+    """A backward that raises never reaches its end: its reports wait and are recorded, before the next pass's
+    reports of the same state, when that pass ends."""
+    import copy
+
+    class Raise(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            raise RuntimeError("raised in backward")
+
+    st = ScalingState(Scaling("e5m2", strategy="delayed", history=4))
+    ref = copy.deepcopy(st)
+    sink = st.sink(torch.device("cpu"))
+    first, second = torch.tensor([float("nan"), 0.0]), torch.tensor([3.0, 0.0])
+    loss = Raise.apply(torch.ones(1, requires_grad=True)).sum() + (sink * first).sum()
+    with pytest.raises(RuntimeError, match="raised in backward"):
+        loss.backward()
+    (sink * second).sum().backward()
+    for r in (first, second):
+        ref.observe(r[0], r[1])
+    assert st.updates.item() == 2 and st.skipped.item() == 1
+    for name, buf in ref.state_dict().items():
+        torch.testing.assert_close(st.state_dict()[name], buf, rtol=0, atol=0, equal_nan=True)

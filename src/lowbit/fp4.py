@@ -51,7 +51,7 @@ class DGE:
 @dataclass(frozen=True)
 class OCC:
     alpha: float = 0.99
-    quantile: str = "sample"  # exact (kthvalue over every element) | sample (kthvalue over a strided sample)
+    quantile: str = "sample"  # exact (a selection over every element) | sample (over whole, evenly spaced tokens)
     # How ΔY·Wᵀ and ΔYᵀ·dY are computed. dense: ΔY as a dense matrix (zeros but for the outliers) in the GEMM's
     # compute dtype (bf16 under autocast, as the bf16 baseline computes the whole product), two dense GEMMs the
     # size of the layer's, no host sync of their own. sparse: torch.sparse products in fp32 (1/100 of the FLOPs
@@ -101,7 +101,8 @@ def abs_quantile(x: torch.Tensor, alpha: float, method: str = "sample") -> torch
     a = x2.abs().reshape(-1).float()
     k = min(a.numel(), max(1, int(round(alpha * a.numel()))))
     if a.is_cuda:  # the k-th smallest as the (n − k + 1)-th largest: CUDA's kthvalue runs one thread block per
-        return a.topk(a.numel() - k + 1, sorted=False).values.min()  # slice (0.28 ms for 65,536 on an H200)
+        a = torch.where(a.isnan(), math.inf, a)  # slice (0.28 ms for 65,536 on an H200); NaN counts as largest,
+        return a.topk(a.numel() - k + 1, sorted=False).values.min()  # as kthvalue has it
     return a.kthvalue(k).values
 
 

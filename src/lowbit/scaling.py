@@ -200,8 +200,8 @@ class ScalingState(nn.Module):
 
     def sink(self, device: torch.device) -> torch.Tensor:
         """A leaf tensor through which a backward pass reports what it cast: the autograd Function returns
-        [amax, bad groups] as this tensor's gradient, and a hook records it here once autograd has accumulated
-        it. The backward itself stays free of side effects, so torch.compile keeps it in one graph. (Made with
+        [amax, bad groups] as this tensor's gradient, and a hook queues it once autograd has accumulated it,
+        for `record_reports` at the end of the backward pass. The backward itself stays free of side effects, so torch.compile keeps it in one graph. (Made with
         the module and on every move: a compiled region cannot create a tensor that requires grad.)"""
         sink = self.__dict__.get("_sink")
         if sink is None or sink.device != torch.device(device):
@@ -241,22 +241,29 @@ _REPORTS: list[tuple[ScalingState, torch.Tensor]] = []
 @torch.no_grad()
 def record_reports() -> None:
     """Record the backward reports waiting in `_REPORTS`, batched per (Scaling, device). Runs when the backward
-    pass that made them ends; call it to record them earlier."""
+    pass that made them ends (a pass that raised leaves its reports to the next one's end); call it to record them
+    earlier."""
     reports = list(_REPORTS)
     _REPORTS.clear()
-    groups: dict = {}
-    for st, g in reports:
-        groups.setdefault((st.spec, g.device), []).append((st, g))
-    for items in groups.values():
-        g = torch.stack([g for _, g in items])
-        observe_all([st for st, _ in items], g[:, 0], g[:, 1])
+    while reports:  # in rounds, a state at most once per round (twice: a backward that raised left one), in order
+        seen, now, later = set(), [], []
+        for st, g in reports:
+            (later if id(st) in seen else now).append((st, g))
+            seen.add(id(st))
+        groups: dict = {}
+        for st, g in now:
+            groups.setdefault((st.spec, g.device), []).append((st, g))
+        for items in groups.values():
+            g = torch.stack([g for _, g in items])
+            observe_all([st for st, _ in items], g[:, 0], g[:, 1])
+        reports = later
 
 
 @torch.no_grad()
 def observe_all(states: list[ScalingState], amax: torch.Tensor | None, bad_groups: torch.Tensor,
                 scale: torch.Tensor | None = None) -> None:
-    """`ScalingState.observe` for states of one Scaling at once: amax, bad_groups (and scale) hold one value per
-    state; amax and scale matter for tensor granularity only."""
+    """`ScalingState.observe` for distinct states of one Scaling at once: amax, bad_groups (and scale) hold one
+    value per state; amax and scale matter for tensor granularity only."""
     s = states[0].spec
     if s.strategy == "delayed":
         record_all(states, amax)
@@ -272,7 +279,7 @@ def observe_all(states: list[ScalingState], amax: torch.Tensor | None, bad_group
 
 @torch.no_grad()
 def record_all(states: list[ScalingState], amax: torch.Tensor) -> None:
-    """Delayed scaling for states of one Scaling at once (amax: one per state): push each amax into its window (a
+    """Delayed scaling for distinct states of one Scaling at once (amax: one per state): push each amax into its window (a
     bad one is counted and recorded as 0, which no reduction picks), and every `interval` updates recompute the
     scale from the window."""
     s = states[0].spec

@@ -7,12 +7,12 @@ run torch's fused AdamW kernel.
 
 Gradients stored below the weights' precision (FP8, or bf16 for fp32 weights) are taken from autograd by a
 post-accumulate hook: the wgrad GEMM's output (which every GEMM writes in high precision) waits in a run of up to
-CHUNK gradients, which one call (`_accumulate_all`, compiled on GPU) quantizes into the stores and frees; what is
-left waiting is stored when the backward pass ends. So in eager mode at most CHUNK high-precision gradients live
-at a time beyond the layer's own; a compiled backward hands a whole region's over together. Micro-batches
-accumulate by rescaling: the stored gradient is decoded, the new one added in fp32, and the sum re-encoded with
-the scale of its own amax (one rounding per micro-batch, never an overflow). Clearing a store costs nothing (its
-first add resets scale and flag), and clipping rescales every scale at once.
+CHUNK gradients of one kind, which one call (`_accumulate_all`, compiled on GPU) quantizes into the stores and
+frees; what is left waiting is stored when the backward pass ends. So in eager mode fewer than CHUNK
+high-precision gradients per run live at a time beyond the layer's own; a compiled backward hands a whole
+region's over together. Micro-batches accumulate by rescaling: the stored gradient is decoded, the new one added
+in fp32, and the sum re-encoded with the scale of its own amax (one rounding per micro-batch, never an overflow).
+Clearing a store costs nothing (its first add resets scale and flag), and clipping rescales every scale at once.
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ class GradStore:
         self.filled = False
         self._fn = fn
         self._fn_all = fn_all
+        self._waiting = None  # the key of the run in _WAITING that holds a gradient for this store
 
     def add(self, g: torch.Tensor) -> None:
         (_accumulate if isinstance(g, DTensor) else self._fn)(g, self.data, self.scale, self.nonfinite, self.kind,
@@ -84,12 +85,19 @@ class GradStore:
 
     def clear(self) -> None:
         self.filled = False  # the next add resets scale and flag (inside its graph: no launches here)
+        if self._waiting is not None:  # left by a backward that raised: cleared with the rest
+            run = _WAITING[self._waiting]
+            run[:] = [(s, g) for s, g in run if s is not self]
+            if not run:
+                del _WAITING[self._waiting]
+            self._waiting = None
 
 
 # Gradients that arrived in this backward and wait to be stored, in runs of stores alike (kind, filled, device,
 # compiled function): a run is stored by one call when it reaches CHUNK, the rest when the backward ends. One
 # compiled call per gradient cost about 0.7 ms of host time each on the H200's host (fp8lm-o1 at `1b`: 110 ms more
-# GPU idle than fp8lm); CHUNK at a time, at most CHUNK high-precision gradients wait beyond their layer's.
+# GPU idle than fp8lm); CHUNK at a time, fewer than CHUNK high-precision gradients per run wait beyond their
+# layer's. A backward that raises leaves its run waiting: the store's clear() drops it, step() stores it.
 _WAITING: dict[tuple, list[tuple[GradStore, torch.Tensor]]] = {}
 
 
@@ -102,9 +110,12 @@ def _take_grad(p: torch.Tensor) -> None:
     if isinstance(g, DTensor):
         store.add(g)
         return
+    if store._waiting is not None:  # a second gradient before the first was stored (a reentrant checkpoint that
+        _store_run(_WAITING.pop(store._waiting))  # uses the parameter inside and out; a backward that raised)
     key = (store._fn_all, store.kind, store.filled, g.device)
     run = _WAITING.setdefault(key, [])
     run.append((store, g))
+    store._waiting = key
     if len(run) == CHUNK:
         _store_run(_WAITING.pop(key))
     at_backward_end(_store_waiting)
@@ -115,7 +126,7 @@ def _store_run(run: list[tuple[GradStore, torch.Tensor]]) -> None:
     first._fn_all([g for _, g in run], [s.data for s, _ in run], [s.scale for s, _ in run],
                   [s.nonfinite for s, _ in run], first.kind, first.filled)
     for s, _ in run:
-        s.filled = True
+        s.filled, s._waiting = True, None
 
 
 def _store_waiting() -> None:
@@ -246,6 +257,7 @@ class LowbitAdamW(torch.optim.Optimizer):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Global L2 norm of all gradients (NaN if any is non-finite); scales them to `max_norm` if above it
         (0 or inf: only measure). A scaled stored gradient is clipped exactly, by changing its scale."""
+        _store_waiting()  # as in step
         plain_params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         plain = [local(p.grad) for p in plain_params]
         stored_items = [(p, s) for p, s in self._grads.items() if s.filled]
@@ -301,6 +313,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        _store_waiting()  # nothing waits after a backward that ended; after one that raised, what it left
         for group in self.param_groups:
             prec = self.precision_of(group)
             beta1, beta2 = group["betas"]
