@@ -3,6 +3,7 @@ Uses `lowbit compare`'s own reading, table and plot; adds what compare cannot: r
 loss of every run at common steps (so a run that stopped early is still compared at the steps it reached).
 
   python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR]
+      [--command CMD --torch VERSION --date DATE]   (when RUNS_DIR has no compare.json: compare was stopped)
 """
 
 import argparse
@@ -11,13 +12,16 @@ import re
 from pathlib import Path
 
 from lowbit.recipes import RECIPES
-from lowbit.tools.compare import _gap, plot, read_run, split_entry, table
+from lowbit.tools.compare import LAST_N, _gap, plot, read_run, split_entry, table
 
 p = argparse.ArgumentParser()
 p.add_argument("runs", type=Path)
 p.add_argument("--eager", type=Path, help="run dirs of the eager call (shown as '<recipe> (eager)')")
 p.add_argument("--out", type=Path, default=Path("."))
 p.add_argument("--device", default="NVIDIA H200")
+p.add_argument("--command", help="the call's compare command (its COMMAND line), when compare.json is missing")
+p.add_argument("--torch", help="torch version of the call, when compare.json is missing")
+p.add_argument("--date", help="date of the call, when compare.json is missing")
 a = p.parse_args()
 
 
@@ -25,7 +29,12 @@ def low_precision(name: str) -> bool:  # a run dir is named by its --recipes ent
     return RECIPES[split_entry(name)[0]].linear is not None
 
 
-compiled = json.loads((a.runs / "compare.json").read_text())  # the compiled call's report: torch, command
+if (a.runs / "compare.json").is_file():  # the compiled call's report: torch, command
+    compiled = json.loads((a.runs / "compare.json").read_text())
+else:  # a compare stopped by its deadline writes none: the call's printed COMMAND line and torch stand in
+    if not (a.command and a.torch and a.date):
+        p.error(f"{a.runs / 'compare.json'} is missing: give --command, --torch and --date")
+    compiled = {"command": a.command, "torch": a.torch, "date": a.date, "last_n": LAST_N}
 runs = {}
 for d in sorted(x for x in a.runs.iterdir() if (x / "metrics.jsonl").is_file()):
     runs[d.name] = read_run(d, low_precision(d.name))
