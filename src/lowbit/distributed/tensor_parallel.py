@@ -21,14 +21,30 @@ import torch.distributed as dist
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.linear import LowPrecisionLinear
+from lowbit.linear import LowPrecisionLinear, _in_backward
 
-SENT = {"bytes": 0}  # what this process's tensor-parallel collectives send (ring all-reduce: 2(n-1)/n of it)
+# What this process's tensor-parallel collectives send (a ring all-reduce sends 2(n-1)/n of its tensor, an all-gather
+# (n-1) chunks). Counted by the module hooks, outside the autograd Functions, the backward's collectives included,
+# when the forward runs: a Python side effect inside a Function breaks torch.compile's graph (9 breaks per step
+# at tp2 when the Functions counted), one in a hook is replayed by the compiled code. A forward replayed by
+# activation checkpointing counts its collectives again, not the backward's.
+SENT = {"bytes": 0}
+
+
+def _ring_bytes(x: torch.Tensor, group) -> int:
+    n = dist.get_world_size(group)
+    return 2 * (n - 1) * x.numel() * x.element_size() // n
+
+
+def _gather_bytes(x: torch.Tensor, group, element_size: int | None = None) -> int:
+    return (dist.get_world_size(group) - 1) * x.numel() * (element_size or x.element_size())
+
+
+def _backward_follows(x: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and x.requires_grad and not _in_backward()
 
 
 def _all_reduce(x: torch.Tensor, group) -> None:
-    n = dist.get_world_size(group)
-    SENT["bytes"] += 2 * (n - 1) * x.numel() * x.element_size() // n
     dist.all_reduce(x, group=group)
 
 
@@ -59,6 +75,17 @@ class _ReduceFromTP(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+
+def _copy_to_tp(x: torch.Tensor, group) -> torch.Tensor:
+    if _backward_follows(x):
+        SENT["bytes"] += _ring_bytes(x, group)  # backward all-reduces x's gradient
+    return _CopyToTP.apply(x, group)
+
+
+def _reduce_from_tp(out: torch.Tensor, group) -> torch.Tensor:
+    SENT["bytes"] += _ring_bytes(out, group)
+    return _ReduceFromTP.apply(out, group)
 
 
 def _shard(linear: nn.Linear, dim: int, tp: int, rank: int) -> None:
@@ -98,9 +125,9 @@ def apply_tensor_parallel(model: nn.Module, group) -> None:
         if isinstance(m, LowPrecisionLinear):
             _amax_groups(m, column, group)
         if column:
-            m.register_forward_pre_hook(lambda mod, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+            m.register_forward_pre_hook(lambda mod, args: (_copy_to_tp(args[0], group), *args[1:]))
         else:
-            m.register_forward_hook(lambda mod, args, out: _ReduceFromTP.apply(out, group))
+            m.register_forward_hook(lambda mod, args, out: _reduce_from_tp(out, group))
     for m in model.modules():
         if hasattr(m, "n_kv_heads") and hasattr(m, "wq"):
             m.n_heads, m.n_kv_heads = m.n_heads // tp, m.n_kv_heads // tp
@@ -120,7 +147,6 @@ def _chunk(x: torch.Tensor, group) -> torch.Tensor:
 
 def _all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    SENT["bytes"] += (len(parts) - 1) * x.numel() * x.element_size()
     dist.all_gather(parts, x.contiguous(), group=group)
     return torch.cat(parts, dim=1)
 
@@ -168,6 +194,22 @@ class _GatherSeq(torch.autograd.Function):
         return (_reduce_scatter_seq(g, ctx.group) if ctx.partial else _chunk(g, ctx.group)), None, None, None
 
 
+def _to_chunk(x: torch.Tensor, group, reduce: bool) -> torch.Tensor:
+    n = dist.get_world_size(group)
+    if reduce:
+        SENT["bytes"] += _ring_bytes(x, group)
+    if _backward_follows(x):  # backward gathers the chunks' gradients
+        SENT["bytes"] += (n - 1) * (x.numel() // n) * x.element_size()
+    return _ToChunk.apply(x, group, reduce)
+
+
+def _gather_seq(x: torch.Tensor, group, partial: bool, fp8: bool) -> torch.Tensor:
+    SENT["bytes"] += _gather_bytes(x, group, 1 if fp8 else None)
+    if partial and _backward_follows(x):  # backward sums the whole gradient and keeps a chunk
+        SENT["bytes"] += 2 * (dist.get_world_size(group) - 1) * x.numel() * x.element_size()  # of n·x's size
+    return _GatherSeq.apply(x, group, partial, fp8)
+
+
 def apply_sequence_parallel(model: nn.Module, group) -> None:
     """On top of apply_tensor_parallel: the residual stream, norms and their inputs hold 1/tp of the sequence.
     The split linears' copy/reduce become gather/scatter along the sequence; block norm weights then get partial
@@ -180,21 +222,22 @@ def apply_sequence_parallel(model: nn.Module, group) -> None:
                                                               r.input.strategy) == ("e4m3", "tensor", "current")
         if name.endswith(ROW):
             m._forward_hooks.clear()  # the all-reduce becomes a reduce-scatter
-            m.register_forward_hook(lambda mod, args, out: _ToChunk.apply(out, group, True))
+            m.register_forward_hook(lambda mod, args, out: _to_chunk(out, group, True))
         elif name.endswith(COLUMN):
             m._forward_pre_hooks.clear()  # the input arrives whole from the norm's gather
-    model.tok_embeddings.register_forward_hook(lambda mod, args, out: _ToChunk.apply(out, group, False))
+    model.tok_embeddings.register_forward_hook(lambda mod, args, out: _to_chunk(out, group, False))
     for name, block in model.named_modules():
         if hasattr(block, "attention_norm") and hasattr(block, "ffn_norm"):
             for norm in (block.attention_norm, block.ffn_norm):
                 norm.weight._lowbit_sp_partial = True
                 norm.register_forward_hook(
-                    lambda mod, args, out, f=fp8.get(name, False): _GatherSeq.apply(out, group, True, f))
-    model.norm.register_forward_pre_hook(lambda mod, args: (_GatherSeq.apply(args[0], group, False, False),))
+                    lambda mod, args, out, f=fp8.get(name, False): _gather_seq(out, group, True, f))
+    model.norm.register_forward_pre_hook(lambda mod, args: (_gather_seq(args[0], group, False, False),))
 
 
 def sync_partial_grads(model: nn.Module, group) -> None:
     """Sequence parallelism: sum the gradients that each rank computed on its chunk of the sequence."""
     for p in model.parameters():
         if getattr(p, "_lowbit_sp_partial", False) and p.grad is not None:
+            SENT["bytes"] += _ring_bytes(p.grad, group)
             _all_reduce(p.grad, group)
