@@ -55,10 +55,16 @@ case "${1:-all}" in
       --no-bf16 --torchao none --compile-scope blocks --profile
     part profile_1b_fp4 "${FP4_S:-200}" step --steps 10 --warmup 2 --recipes fp4 --no-bf16 --torchao none \
       --compile-scope blocks --profile ;;
-  s13)  # session 11: scaling reports recorded in one batch per backward, FP8 gradients stored 8 per call, OCC without host syncs
+  s13)  # session 11 (486 s cold; fp4's 180 s ran out before its first row): scaling reports recorded in one batch per backward, FP8 gradients stored 8 per call, OCC without host syncs
     part profile_1b_batched "${STEP_S:-340}" step --steps 10 --warmup 2 --recipes fp8-tensorwise,fp8lm,fp8lm-o2 --no-bf16 \
       --torchao none --compile-scope blocks --profile
     part profile_1b_fp4_nosync "${FP4_S:-180}" step --steps 10 --warmup 2 --recipes fp4 --no-bf16 --torchao none \
+      --compile-scope blocks --profile ;;
+  s14)  # next: the ratio to bf16 and torchao after session 11's batching, nanotron-r2 (delayed, interval 16), then
+        # fp4 alone with room for its compile (s13's 180 s ran out before its first row)
+    part profile_1b_ratio "${STEP_S:-300}" step --steps 10 --warmup 2 --recipes bf16,fp8-tensorwise,nanotron-r2 \
+      --torchao tensorwise --compile-scope blocks --profile
+    part profile_1b_fp4 "${FP4_S:-280}" step --steps 10 --warmup 2 --recipes fp4 --no-bf16 --torchao none \
       --compile-scope blocks --profile ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
