@@ -1,6 +1,7 @@
 """docs/convergence.md's tables and plot from the study's run dirs (benchmarks/convergence_study.sh), unpacked here.
 Uses `lowbit compare`'s own reading, table and plot; adds what compare cannot: runs cut short, and the validation
-loss of every run at common steps (so a run that stopped early is still compared at the steps it reached).
+loss of every run at common steps (so a run that stopped early is still compared at the steps it reached). A run
+of another seed (`ENTRY+train.seed=S`, as `lowbit compare --seeds` names them) is paired with bf16 of that seed.
 
   python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR]
       [--command CMD --torch VERSION --date DATE]   (when RUNS_DIR has no compare.json: compare was stopped)
@@ -44,6 +45,15 @@ if a.eager:
 order = [r for r in ("bf16", "fp8-tensorwise", "fp8-delayed", "fp8lm-o2", "nanotron-r2", "fp4") if r in runs]
 order += [r for r in runs if r not in order]
 base = runs["bf16"]
+
+
+def base_of(name: str) -> dict:
+    """The bf16 run a run is paired with: bf16 of its seed (`ENTRY+train.seed=S`, as compare --seeds names
+    runs) where that run is here, else the run dir `bf16`."""
+    seeds = [o.split("=", 1)[1] for o in split_entry(name.removesuffix(" (eager)"))[1] if o.startswith("--train.seed=")]
+    return runs.get(f"bf16+train.seed={seeds[0]}", base) if seeds else base
+
+
 head, _, tail = compiled["command"].partition(" --recipes ")  # the call's command, with every run's recipes
 tail = re.sub(r" --(devices|out) \S+", "", re.sub(r"^\S+", "", tail))  # and without its devices and out dir
 report = {"device": a.device, "torch": compiled["torch"], "date": compiled["date"],
@@ -51,9 +61,10 @@ report = {"device": a.device, "torch": compiled["torch"], "date": compiled["date
           "baseline": "bf16", "last_n": compiled["last_n"], "runs": []}
 for r in order:
     run = runs[r]
+    b = base_of(r)
     report["runs"].append({"recipe": r, "this_session": "train", **run,
-                           "train_gap_pct": _gap(run["train_loss"], base["train_loss"]),
-                           "val_gap_pct": _gap(run["val_loss"], base["val_loss"])})
+                           "train_gap_pct": _gap(run["train_loss"], b["train_loss"]),
+                           "val_gap_pct": _gap(run["val_loss"], b["val_loss"])})
 a.out.mkdir(parents=True, exist_ok=True)
 plot(report, a.out / "convergence.png")
 print(table(report))
@@ -61,11 +72,11 @@ print(table(report))
 steps = [s for s, _ in base["val"]]
 print("\n| step | " + " | ".join(order) + " |\n|---:|" + "---:|" * len(order))
 for s in steps:
-    ref = dict(base["val"])[s]
     cells = []
     for r in order:
-        v = dict(runs[r]["val"]).get(s)
-        cells.append("—" if v is None else f"{v:.4f}" + ("" if r == "bf16" else f" ({_gap(v, ref):+.2f}%)"))
+        v, ref = dict(runs[r]["val"]).get(s), dict(base_of(r)["val"]).get(s)
+        cells.append("—" if v is None else f"{v:.4f}" + ("" if runs[r] is base_of(r) or ref is None
+                                                         else f" ({_gap(v, ref):+.2f}%)"))
     print(f"| {s} | " + " | ".join(cells) + " |")
 slim = {**report, "runs": [{k: v for k, v in r.items() if k != "run_dir"} for r in report["runs"]]}
 (a.out / "convergence.json").write_text(json.dumps(slim, indent=0))
