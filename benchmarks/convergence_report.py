@@ -44,20 +44,27 @@ if a.eager:
         runs[f"{d.name} (eager)"] = read_run(d, low_precision(d.name))
 order = [r for r in ("bf16", "fp8-tensorwise", "fp8-delayed", "fp8lm-o2", "nanotron-r2", "fp4") if r in runs]
 order += [r for r in runs if r not in order]
-base = runs["bf16"]
+bf16_runs = sorted(r for r in runs if split_entry(r)[0] == "bf16" and "eager" not in r)
+if not bf16_runs:
+    p.error(f"{a.runs}: no bf16 run to compare with")
+base = runs["bf16" if "bf16" in runs else bf16_runs[0]]  # the plain run dir, else the first seed's
 
 
 def base_of(name: str) -> dict:
     """The bf16 run a run is paired with: bf16 of its seed (`ENTRY+train.seed=S`, as compare --seeds names
-    runs) where that run is here, else the run dir `bf16`."""
+    runs) where that run is here, else `base`; a seed's bf16 run itself is compared with `base` (the spread)."""
     seeds = [o.split("=", 1)[1] for o in split_entry(name.removesuffix(" (eager)"))[1] if o.startswith("--train.seed=")]
-    return runs.get(f"bf16+train.seed={seeds[0]}", base) if seeds else base
+    paired = runs.get(f"bf16+train.seed={seeds[0]}", base) if seeds else base
+    return base if paired is runs[name] else paired
 
 
+# the entries as given to compare: a seed's run named ENTRY+train.seed=S comes from ENTRY under --seeds
+entries = list(dict.fromkeys(re.sub(r"\+train\.seed=\d+$", "", r) if " --seeds " in compiled["command"] else r
+                             for r in order if "eager" not in r))
 head, _, tail = compiled["command"].partition(" --recipes ")  # the call's command, with every run's recipes
 tail = re.sub(r" --(devices|out) \S+", "", re.sub(r"^\S+", "", tail))  # and without its devices and out dir
 report = {"device": a.device, "torch": compiled["torch"], "date": compiled["date"],
-          "command": f"{head} --recipes {','.join(r for r in order if 'eager' not in r)} --devices ...{tail}",
+          "command": f"{head} --recipes {','.join(entries)} --devices ...{tail}",
           "baseline": "bf16", "last_n": compiled["last_n"], "runs": []}
 for r in order:
     run = runs[r]

@@ -26,8 +26,12 @@ from lowbit.linear import LowPrecisionLinear, _in_backward
 # What this process's tensor-parallel collectives send (a ring all-reduce sends 2(n-1)/n of its tensor, an all-gather
 # (n-1) chunks). Counted by the module hooks, outside the autograd Functions, the backward's collectives included,
 # when the forward runs: a Python side effect inside a Function breaks torch.compile's graph (9 breaks per step
-# at tp2 when the Functions counted), one in a hook is replayed by the compiled code. A forward replayed by
-# activation checkpointing counts its collectives again, not the backward's.
+# at tp2 when the Functions counted), one in a hook is replayed by the compiled code. "A backward follows" is
+# judged at forward time (grad enabled, the input requires grad): true on every training path lowbit runs (eval and
+# generate run under no_grad). Eagerly, a forward replayed by lowbit's (non-reentrant) activation checkpointing
+# counts its collectives again, not the backward's; compiled, the replay runs no Python and counts nothing. Under a
+# reentrant checkpoint (not lowbit's) the backward's collectives go uncounted. The amax all-reduces of FP8 scales
+# (a few bytes each) are not counted.
 SENT = {"bytes": 0}
 
 
