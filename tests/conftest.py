@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from lowbit.cli import main
 
@@ -33,3 +34,15 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
     return {r["step"]: r[key] for r in read_metrics(run_dir) if key in r}
+
+
+class RaiseInBackward(torch.autograd.Function):
+    """Identity forward; a backward that raises (after the gradients of nodes made later have arrived)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        raise RuntimeError("raised in backward")

@@ -196,29 +196,18 @@ def test_gradients_stored_in_runs_equal_storing_each_on_arrival():
             assert torch.equal(store.scale, ref.scale) and torch.equal(store.nonfinite, ref.nonfinite)
 
 
-class _Raise(torch.autograd.Function):
-    """Identity forward; a backward that raises (after the gradients of later-made nodes have arrived)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):
-        raise RuntimeError("raised in backward")
-
-
 def test_waiting_gradients_survive_neither_a_raising_backward_nor_a_second_arrival():
     """A backward that raises leaves its gradients waiting: zero_grad drops them, so the next step sees only its
     own. A gradient that arrives twice before it is stored (a reentrant checkpoint using the parameter inside and
     out) is summed, not overwritten."""
+    from conftest import RaiseInBackward
     from torch.utils.checkpoint import checkpoint
 
     from lowbit.optim.adamw import _WAITING
 
     ps = [torch.nn.Parameter(torch.ones(4, 4)) for _ in range(2)]
     opt = LowbitAdamW(ps, precision=StatePrecision(grads="e4m3"))
-    loss = _Raise.apply(ps[1]).sum() + (ps[0] * 100).sum()  # made last, ps[0]'s gradient arrives first
+    loss = RaiseInBackward.apply(ps[1]).sum() + (ps[0] * 100).sum()  # made last, ps[0]'s gradient arrives first
     with pytest.raises(RuntimeError, match="raised in backward"):
         loss.backward()
     assert _WAITING

@@ -189,20 +189,13 @@ def test_reports_left_by_a_raising_backward_are_recorded_in_order_with_the_next(
     reports of the same state, when that pass ends."""
     import copy
 
-    class Raise(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, g):
-            raise RuntimeError("raised in backward")
+    from conftest import RaiseInBackward
 
     st = ScalingState(Scaling("e5m2", strategy="delayed", history=4))
     ref = copy.deepcopy(st)
     sink = st.sink(torch.device("cpu"))
     first, second = torch.tensor([float("nan"), 0.0]), torch.tensor([3.0, 0.0])
-    loss = Raise.apply(torch.ones(1, requires_grad=True)).sum() + (sink * first).sum()
+    loss = RaiseInBackward.apply(torch.ones(1, requires_grad=True)).sum() + (sink * first).sum()
     with pytest.raises(RuntimeError, match="raised in backward"):
         loss.backward()
     (sink * second).sum().backward()
