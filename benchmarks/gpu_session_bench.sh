@@ -48,16 +48,18 @@ case "${1:-all}" in
       --torchao none --compile-scope blocks --profile
     part profile_1b "${STEP_S:-420}" step --steps 10 --warmup 2 --recipes bf16,fp8-tensorwise,fp4,fp8lm-o2,nanotron-r2 \
       --torchao tensorwise --compile-scope blocks --profile ;;
-  s11)  # session 11 (506 s cold; the first part hit its limit before fp8lm-o2): split fp8lm-o2's extra backward between its FP8-LM GEMMs (fp8lm: fp32 states,
-        # no hooks), its FP8 gradient hooks (fp8lm-o1: + E4M3 gradients) and its 6-byte states (fp8lm-o2), with the
+  s11)  # session 11 (506 s cold; the first part hit its limit before fp8lm-o2): split fp8lm-o2's extra backward
+        # between its FP8-LM GEMMs (fp8lm: fp32 states, no hooks), its FP8 gradient hooks (fp8lm-o1: + E4M3
+        # gradients) and its 6-byte states (fp8lm-o2), with the
         # top-kernel lists; then fp4's aten kernels. nanotron-r2 and the 1b `model` scope are s12.
     part profile_1b_fp8lm "${STEP_S:-330}" step --steps 10 --warmup 2 --recipes fp8-tensorwise,fp8lm,fp8lm-o1,fp8lm-o2 \
       --no-bf16 --torchao none --compile-scope blocks --profile
     part profile_1b_fp4 "${FP4_S:-200}" step --steps 10 --warmup 2 --recipes fp4 --no-bf16 --torchao none \
       --compile-scope blocks --profile ;;
-  s13)  # session 11 (486 s cold; fp4's 180 s ran out before its first row): scaling reports recorded in one batch per backward, FP8 gradients stored 8 per call, OCC without host syncs
-    part profile_1b_batched "${STEP_S:-340}" step --steps 10 --warmup 2 --recipes fp8-tensorwise,fp8lm,fp8lm-o2 --no-bf16 \
-      --torchao none --compile-scope blocks --profile
+  s13)  # session 11 (486 s cold; fp4's 180 s ran out before its first row): scaling reports recorded in one batch
+        # per backward, FP8 gradients stored 8 per call, OCC without host syncs
+    part profile_1b_batched "${STEP_S:-340}" step --steps 10 --warmup 2 --recipes fp8-tensorwise,fp8lm,fp8lm-o2 \
+      --no-bf16 --torchao none --compile-scope blocks --profile
     part profile_1b_fp4_nosync "${FP4_S:-180}" step --steps 10 --warmup 2 --recipes fp4 --no-bf16 --torchao none \
       --compile-scope blocks --profile ;;
   s14)  # next: the ratio to bf16 and torchao after session 11's batching, nanotron-r2 (delayed, interval 16), then

@@ -178,7 +178,8 @@ def test_backward_reports_are_recorded_together_as_one_at_a_time(spec):
             ref.observe(r[0], r[1])
         for st, ref in zip(states, refs):
             for name, buf in ref.state_dict().items():
-                torch.testing.assert_close(st.state_dict()[name], buf, rtol=0, atol=0, equal_nan=True, msg=f"{step} {name}")
+                torch.testing.assert_close(st.state_dict()[name], buf, rtol=0, atol=0, equal_nan=True,
+                                           msg=f"{step} {name}")
     # delayed counts the bad amax (0.0), current the reported bad groups (1 at odd steps)
     assert all(st.updates.item() == 5 for st in states)
     assert states[1].skipped.item() == (1 if spec.strategy == "delayed" else 2)

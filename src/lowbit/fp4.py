@@ -17,9 +17,9 @@ token's scale; the residual ΔY = Y − clamp(Y) (about (1 − α)·numel non-ze
 value) pairs, and ΔY·Wᵀ is added to the output (and ΔYᵀ·dY to the weight gradient), see `OCC.products`.
 
 So that torch.compile traces OCC without a graph break, everything has a static shape: the outliers are found by
-nonzero_static, the sparse products are custom ops; the residual is C (flat index, fp32 value)
-pairs, C = max(1, ⌈2·(1 − α)·numel⌉) (twice the expected count: the sampled quantile is approximate), unused slots
-holding value 0. Overflow: if more than C elements exceed the quantile, the clamp threshold is raised, by powers of
+nonzero_static, the sparse products are custom ops; the residual is C (flat index, fp32 value) pairs,
+C = max(1, ⌈2·(1 − α)·numel⌉) (twice the expected count: the sampled quantile is approximate), unused slots holding
+value 0. Overflow: if more than C elements exceed the quantile, the clamp threshold is raised, by powers of
 two, until at most C exceed it (at worst to max |x|, which clamps nothing); the split stays exact: clamp(x) + ΔY = x.
 Nothing here waits for the GPU: a count read on the host would stall every FP4 linear's forward.
 """

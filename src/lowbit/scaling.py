@@ -201,8 +201,9 @@ class ScalingState(nn.Module):
     def sink(self, device: torch.device) -> torch.Tensor:
         """A leaf tensor through which a backward pass reports what it cast: the autograd Function returns
         [amax, bad groups] as this tensor's gradient, and a hook queues it once autograd has accumulated it,
-        for `record_reports` at the end of the backward pass. The backward itself stays free of side effects, so torch.compile keeps it in one graph. (Made with
-        the module and on every move: a compiled region cannot create a tensor that requires grad.)"""
+        for `record_reports` at the end of the backward pass. The backward itself stays free of side effects, so
+        torch.compile keeps it in one graph. (Made with the module and on every move: a compiled region cannot
+        create a tensor that requires grad.)"""
         sink = self.__dict__.get("_sink")
         if sink is None or sink.device != torch.device(device):
             sink = torch.zeros(2, device=device, requires_grad=True)
@@ -279,9 +280,9 @@ def observe_all(states: list[ScalingState], amax: torch.Tensor | None, bad_group
 
 @torch.no_grad()
 def record_all(states: list[ScalingState], amax: torch.Tensor) -> None:
-    """Delayed scaling for distinct states of one Scaling at once (amax: one per state): push each amax into its window (a
-    bad one is counted and recorded as 0, which no reduction picks), and every `interval` updates recompute the
-    scale from the window."""
+    """Delayed scaling for distinct states of one Scaling at once (amax: one per state): push each amax into its
+    window (a bad one is counted and recorded as 0, which no reduction picks), and every `interval` updates
+    recompute the scale from the window."""
     s = states[0].spec
     bad = ~torch.isfinite(amax) | (amax <= 0)
     history = torch.stack([st.amax_history for st in states])
