@@ -68,6 +68,10 @@ case "${1:-all}" in
       --torchao tensorwise --compile-scope blocks --profile
     part profile_1b_fp4 "${FP4_S:-280}" step --steps 10 --warmup 2 --recipes fp4 --no-bf16 --torchao none \
       --compile-scope blocks --profile ;;
+  s15)  # session 12: the optimizer's update and stored norms replayed as CUDA graphs (optim.cuda_graphs), fp8lm-o2
+        # with and without in one run, nanotron-r2 with (s14 measured it without)
+    part profile_1b_graphs "${STEP_S:-420}" step --steps 10 --warmup 2 --no-bf16 --torchao none --compile-scope blocks \
+      --recipes fp8-tensorwise,fp8lm-o2,fp8lm-o2+optim.cuda_graphs=false,nanotron-r2 --profile ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile

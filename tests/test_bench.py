@@ -84,6 +84,9 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     (["step", "--preset", "13b"], "13b"),
     (["memory", "--preset", "1b", "--vocab", "50000"], "--vocab"),
     (["block", "--preset", "13b"], "13b"),
+    (["mlp", "--recipes", "fp8lm-o2+optim.rounding=stochastic"], "bench step"),  # a variant is a trainer's setting
+    (["step", "--recipes", "fp8lm-o2+optim.nope=1"], "nope"),
+    (["step", "--recipes", "fp8lm-o2+optim.rounding=up"], "up"),
 ])
 def test_bench_user_errors_are_one_line(args, needle, capsys):
     code, _, err = cli(capsys, "bench", *args)
@@ -160,3 +163,20 @@ def test_profile_kernel_kinds_and_idle_union():
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "aten"
     assert covered([(0, 4), (2, 6), (10, 11), (10.5, 10.7)]) == 7  # overlaps counted once, the gap not at all
     assert idle(10.0, 7.5) == 2.5 and idle(10.0, 12.0) == 0.0  # the profiled step may outlast the timed one
+
+
+def test_bench_step_variant_trains_with_its_setting(tmp_path, capsys, monkeypatch):
+    import lowbit.train.trainer as trainer
+
+    built = []
+    real = trainer.build_optimizer
+    monkeypatch.setattr(trainer, "build_optimizer", lambda *a: built.append(a[2].rounding) or real(*a))
+    out = tmp_path / "step.json"
+    variant = "fp8lm-o2+optim.rounding=stochastic"
+    code, stdout, _ = cli(capsys, "bench", "step", *FAST, *SHAPES["step"], "--torchao", "none", "--no-bf16",
+                          "--recipes", f"fp8lm-o2,{variant}", "--out", out)
+    assert code == 0
+    rows = json.loads(out.read_text())["tables"]["step"]["rows"]
+    assert [r["variant"] for r in rows] == ["lowbit fp8lm-o2", f"lowbit {variant}"]
+    assert all("error" not in r and r["ms"] > 0 for r in rows), rows
+    assert built == ["nearest", "stochastic"]

@@ -216,3 +216,35 @@ def test_sampled_quantile_on_gpu_equals_cpu_with_a_nan():
     x[0, 3] = float("nan")
     for method in ("sample", "exact"):
         assert torch.equal(abs_quantile(x.cuda(), 0.99, method).cpu(), abs_quantile(x, 0.99, method))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_optimizer_cuda_graphs_replay_the_eager_steps_bit_for_bit(rounding):
+    """The update and the stored norms run eagerly, then are captured, then replayed: every step equals the eager
+    optimizer's, the learning rate changing each step and the stochastic rounding drawing fresh noise."""
+    from lowbit.optim import LowbitAdamW, StatePrecision
+
+    prec = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16", rounding=rounding)
+    torch.manual_seed(0)
+    init = [torch.randn(64 + 8 * i, 32, device="cuda") * 0.02 for i in range(11)]  # a full chunk and a short one
+    runs = {}
+    for graphs in (False, True):
+        torch.manual_seed(1)
+        params = [torch.nn.Parameter(t.clone().bfloat16()) for t in init]
+        opt = LowbitAdamW(params, lr=1e-3, precision=prec, cuda_graphs=graphs)
+        g = torch.Generator(device="cuda").manual_seed(2)
+        norms = []
+        for step in range(6):
+            opt.param_groups[0]["lr"] = 1e-3 * (step + 1)
+            sum((p.float() * torch.randn(p.shape, device="cuda", generator=g)).sum() for p in params).backward()
+            norms.append(opt.clip_grad_norm_(0.5))
+            opt.step()
+            opt.zero_grad()
+        states = [opt.state[p][k].view(torch.uint8 if opt.state[p][k].element_size() == 1 else torch.int16)
+                  for p in params for k in ("exp_avg", "exp_avg_sq")]
+        runs[graphs] = ([p.detach().view(torch.int16) for p in params], states, torch.stack(norms))
+        if graphs:
+            assert {k[0]: v.captures for k, v in opt._graphed.items()} == {"update": 1, "norms": 1}
+    for a, b in zip(runs[False], runs[True]):
+        for x, y in zip(a, b):
+            assert torch.equal(x, y)

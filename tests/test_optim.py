@@ -529,3 +529,16 @@ def test_training_logs_optimizer_state_telemetry(tmp_path, capsys):
     code, _, _ = cli(capsys, "train", *SMALL, "--train.steps", "2", "--numerics.telemetry_every", "1",
                      "--run.dir", tmp_path / "bf16")
     assert code == 0 and not any("optim_states" in r for r in read_metrics(tmp_path / "bf16"))
+
+
+def test_optim_cuda_graphs_setting_reaches_the_optimizer():
+    from lowbit.models.llama import Llama, ModelArgs
+    from lowbit.recipes import get_recipe
+    from lowbit.train.config import load_config, optim_precision
+    from lowbit.train.trainer import build_optimizer
+
+    for value, want in (("false", False), ("true", True)):
+        cfg = load_config(None, ["--recipe", "fp8lm-o2", "--optim.cuda_graphs", value])
+        model = Llama(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16))
+        opt = build_optimizer(model, get_recipe("fp8lm-o2"), optim_precision(cfg), cfg)
+        assert opt.cuda_graphs is want and optim_precision(cfg).grads == "e4m3"

@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 
 from lowbit.backward_end import at_backward_end
 from lowbit.errors import LowbitError
+from lowbit.optim.graphs import Graphed, key_of
 from lowbit.optim.precision import KINDS, StatePrecision, decode, encode, stochastic_round
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
@@ -185,7 +186,8 @@ class LowbitAdamW(torch.optim.Optimizer):
     `decay_1d`. States are allocated at construction, so memory can be measured before the first step."""
 
     def __init__(self, params, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
-                 precision: StatePrecision = StatePrecision(), decay_1d: bool = False, compile: bool | None = None):
+                 precision: StatePrecision = StatePrecision(), decay_1d: bool = False, compile: bool | None = None,
+                 cuda_graphs: bool = True):
         if not 0.0 <= lr or not 0.0 <= eps or not 0.0 <= weight_decay:
             raise LowbitError(f"optimizer: lr, eps and weight_decay must be >= 0 (got {lr}, {eps}, {weight_decay})")
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, decay_1d=decay_1d,
@@ -198,6 +200,9 @@ class LowbitAdamW(torch.optim.Optimizer):
         self._compile = compile
         self._compiled: dict[str, object] = {}
         self._placeholder: dict[torch.device, torch.Tensor] = {}
+        self.cuda_graphs = cuda_graphs  # on a GPU: the update and the stored norms replayed (lowbit.optim.graphs)
+        self._graphed: dict[tuple, Graphed] = {}  # (what, device) -> its graph
+        self._lr: dict[tuple[int, torch.device], torch.Tensor] = {}
         super().__init__(params, defaults)  # calls add_param_group for each group
 
     def add_param_group(self, param_group: dict) -> None:
@@ -263,9 +268,8 @@ class LowbitAdamW(torch.optim.Optimizer):
         stored_items = [(p, s) for p, s in self._grads.items() if s.filled]
         stored = [s for _, s in stored_items]
         norms = [n.float() for n in torch._foreach_norm(plain)] if plain else []
-        for i in range(0, len(stored), CHUNK):
-            run = stored[i:i + CHUNK]
-            norms += list(self._fn(_stored_norms, run[0].data.device)([s.data for s in run], [s.scale for s in run]))
+        if stored:
+            norms += list(self._stored_norms(stored))
         if not norms:
             return torch.zeros(())
         if self.shard_group is None:
@@ -298,6 +302,22 @@ class LowbitAdamW(torch.optim.Optimizer):
                     s.data.mul_(coef.to(s.data.dtype))
         return total
 
+    def _stored_norms(self, stored: list[GradStore]) -> torch.Tensor:
+        """The stored gradients' norms, CHUNK per compiled call (one CUDA graph on a GPU)."""
+        device = stored[0].data.device
+
+        def run():
+            return torch.cat([self._fn(_stored_norms, device)([s.data for s in stored[i:i + CHUNK]],
+                                                              [s.scale for s in stored[i:i + CHUNK]])
+                              for i in range(0, len(stored), CHUNK)])
+
+        if not self._graphs_on(device):
+            return run()
+        return self._graphed.setdefault(("norms", device), Graphed())(key_of([(s.data, s.scale) for s in stored]), run)
+
+    def _graphs_on(self, device: torch.device) -> bool:
+        return self.cuda_graphs and device.type == "cuda"
+
     def _fn(self, fn, device: torch.device):
         """`fn`, compiled where it pays (GPU, unless the constructor's `compile` says otherwise)."""
         use = self._compile if self._compile is not None else device.type == "cuda"
@@ -314,7 +334,8 @@ class LowbitAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         _store_waiting()  # nothing waits after a backward that ended; after one that raised, what it left
-        for group in self.param_groups:
+        updates: dict[torch.device, list[tuple]] = {}  # device -> the compiled update calls of its chunks
+        for gi, group in enumerate(self.param_groups):
             prec = self.precision_of(group)
             beta1, beta2 = group["betas"]
             pairs = [(p, g) for p in group["params"] if (self.owned is None or p in self.owned)
@@ -335,6 +356,7 @@ class LowbitAdamW(torch.optim.Optimizer):
                                         maximize=False)
                 continue
             device = pairs[0][0].device
+            updates.setdefault(device, [])
             none = self._placeholder.setdefault(device, torch.ones((), device=device))  # for absent states
             items = []
             for (p, g), wd in zip(pairs, wd_of):
@@ -344,10 +366,21 @@ class LowbitAdamW(torch.optim.Optimizer):
                 items.append((local(p), *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
                               st["exp_avg_sq_scale"], st.get("master", none), st.get("master_scale", none),
                               st["step"], wd))
-            lr = torch.tensor(group["lr"], device=device)  # a tensor: no recompiles as lr changes
+            lr = self._lr.get((gi, device))  # a tensor: no recompiles as lr changes, and a graph reads it
+            if lr is None:
+                lr = self._lr[(gi, device)] = torch.zeros((), device=device)
+            lr.fill_(group["lr"])
             kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master, prec.rounding)
-            for chunk in _chunks(items):
-                self._fn(_update_all, device)(chunk, lr, beta1, beta2, group["eps"], kinds)
+            updates[device] += [(chunk, lr, beta1, beta2, group["eps"], kinds) for chunk in _chunks(items)]
+        for device, calls in updates.items():
+            def run(device=device, calls=calls):
+                for call in calls:
+                    self._fn(_update_all, device)(*call)
+
+            if self._graphs_on(device):
+                self._graphed.setdefault(("update", device), Graphed())(key_of(calls), run)
+            else:
+                run()
         return loss
 
     def _grad_for_step(self, p):

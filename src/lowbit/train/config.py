@@ -108,6 +108,8 @@ class OptimConfig:
     rounding: str = opt("", "how the update writes the moments, the master copy and bf16 weights without one: "
                              "nearest | stochastic (unbiased: an E5M2 second moment can decay, small updates to bf16 "
                              "weights add up); empty: the recipe's (nearest)")
+    cuda_graphs: bool = opt(True, "on a GPU, replay the optimizer's update and gradient-norm kernels as CUDA graphs "
+                                  "(one launch per step instead of ~40 compiled calls; the same numbers)")
 
 
 @dataclass
@@ -376,7 +378,8 @@ def optim_precision(cfg: Config):
     from lowbit.recipes import RECIPES
 
     base = RECIPES[cfg.recipe].optim
-    over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v}
+    fields = {f.name for f in dataclasses.fields(StatePrecision)}
+    over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v and k in fields}
     return StatePrecision(**{**dataclasses.asdict(base), **over})
 
 

@@ -78,7 +78,7 @@ def build_optimizer(model: torch.nn.Module, recipe, precision: StatePrecision, c
               {"params": [p for p in params if id(p) not in covered]}]
     t = cfg.train
     return LowbitAdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
-                       weight_decay=t.weight_decay)
+                       weight_decay=t.weight_decay, cuda_graphs=cfg.optim.cuda_graphs)
 
 
 def _finite_or_none(v: float) -> float | None:

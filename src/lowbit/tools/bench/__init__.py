@@ -34,7 +34,8 @@ def _common(p: argparse.ArgumentParser, what: str) -> None:
     if what != "gemm":
         p.add_argument("--recipes", default="bf16,fp8-tensorwise",
                        help="lowbit recipes, comma-separated (bf16 is measured first unless --no-bf16: ratios are "
-                            "to it)")
+                            "to it)" + ("; an entry RECIPE+section.key=value trains with that setting, e.g. "
+                                        "fp8lm-o2+optim.cuda_graphs=false" if what == "step" else ""))
         p.add_argument("--torchao", default="tensorwise",
                        help="torchao float8 recipes beside them (tensorwise, rowwise, rowwise_with_gw_hp; 'none' for "
                             "none); skipped with one line when torchao is not installed")
@@ -113,7 +114,7 @@ def _resolve(a: argparse.Namespace, device) -> None:
     if a.what in ("block", "step", "memory"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
         a.model_args = preset_args(a.preset, a.seq, getattr(a, "vocab", 32000))
     if a.what != "gemm":
-        a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16)
+        a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16, variants=a.what == "step")
         a.torchao_list = torchao_recipes(a.torchao)
 
 

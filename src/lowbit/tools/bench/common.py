@@ -126,14 +126,21 @@ def maybe_compile(module, compiled: bool):
 
 # ---- variants of a module: bf16 (as built), each lowbit recipe, each torchao float8 recipe --------------------------
 
-def lowbit_recipes(names: str, baseline: bool = True) -> list[str]:
+def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) -> list[str]:
     """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
-    a user error."""
+    a user error. `variants`: an entry may be RECIPE+section.key=value (as in `lowbit compare`), the trainer's
+    config with those settings (`bench step`: optim.* settings)."""
     from lowbit.recipes import get_recipe
+    from lowbit.tools.compare import split_entry
+    from lowbit.train.config import load_config
 
     out = [n.strip() for n in names.split(",") if n.strip()]
     for n in out:
-        get_recipe(n)
+        base, overrides = split_entry(n)
+        if overrides and not variants:
+            raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step`")
+        get_recipe(base)
+        load_config(None, ["--recipe", base, *overrides])  # a bad setting fails here, before anything is measured
     return (["bf16"] if baseline else []) + [n for n in out if n != "bf16"]
 
 

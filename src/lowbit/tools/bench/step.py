@@ -18,11 +18,12 @@ def build(args, v, device: torch.device):
     """Model of ModelArgs `args` (converted as the variant says) and the trainer's optimizer for it."""
     from lowbit.models.llama import Llama
     from lowbit.recipes import convert, get_recipe
+    from lowbit.tools.compare import split_entry
     from lowbit.train.config import load_config, optim_precision
     from lowbit.train.trainer import build_optimizer
 
-    recipe_name = v.recipe if v.impl == "lowbit" else "bf16"
-    cfg = load_config(None, ["--recipe", recipe_name])
+    recipe_name, overrides = split_entry(v.recipe) if v.impl == "lowbit" else ("bf16", [])
+    cfg = load_config(None, ["--recipe", recipe_name, *overrides])
     torch.manual_seed(0)
     model = Llama(args).to(device)
     recipe = get_recipe(recipe_name)
