@@ -86,7 +86,8 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     (["block", "--preset", "13b"], "13b"),
     (["mlp", "--recipes", "fp8lm-o2+optim.rounding=stochastic"], "bench step"),  # a variant is a trainer's setting
     (["step", "--recipes", "fp8lm-o2+optim.nope=1"], "nope"),
-    (["step", "--recipes", "fp8lm-o2+optim.rounding=up"], "up"),
+    (["step", "--recipes", "fp8lm-o2+optim.rounding=up"], "optim.rounding"),
+    (["step", "--recipes", "fp8lm-o2+train.lr=0.1"], "optim.* keys only"),
 ])
 def test_bench_user_errors_are_one_line(args, needle, capsys):
     code, _, err = cli(capsys, "bench", *args)

@@ -218,33 +218,52 @@ def test_sampled_quantile_on_gpu_equals_cpu_with_a_nan():
         assert torch.equal(abs_quantile(x.cuda(), 0.99, method).cpu(), abs_quantile(x, 0.99, method))
 
 
-@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_optimizer_cuda_graphs_replay_the_eager_steps_bit_for_bit(rounding):
-    """The update and the stored norms run eagerly, then are captured, then replayed: every step equals the eager
-    optimizer's, the learning rate changing each step and the stochastic rounding drawing fresh noise."""
+def _optimizer_steps(graphs: bool, rounding: str):
+    """Nine steps of a two-group optimizer (bf16 weights with E4M3 gradients; fp32 weights and gradients with FP8
+    moments), the learning rate changing every step, one parameter without a gradient at step 4 and the states
+    rolled back to step 2's at step 6. Returns the weights', states' and norms' bits, and the optimizer."""
+    import copy
+
     from lowbit.optim import LowbitAdamW, StatePrecision
 
-    prec = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16", rounding=rounding)
+    low = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16", rounding=rounding)
+    plain = StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2", rounding=rounding)
     torch.manual_seed(0)
-    init = [torch.randn(64 + 8 * i, 32, device="cuda") * 0.02 for i in range(11)]  # a full chunk and a short one
-    runs = {}
-    for graphs in (False, True):
-        torch.manual_seed(1)
-        params = [torch.nn.Parameter(t.clone().bfloat16()) for t in init]
-        opt = LowbitAdamW(params, lr=1e-3, precision=prec, cuda_graphs=graphs)
-        g = torch.Generator(device="cuda").manual_seed(2)
-        norms = []
-        for step in range(6):
-            opt.param_groups[0]["lr"] = 1e-3 * (step + 1)
-            sum((p.float() * torch.randn(p.shape, device="cuda", generator=g)).sum() for p in params).backward()
-            norms.append(opt.clip_grad_norm_(0.5))
-            opt.step()
-            opt.zero_grad()
-        states = [opt.state[p][k].view(torch.uint8 if opt.state[p][k].element_size() == 1 else torch.int16)
-                  for p in params for k in ("exp_avg", "exp_avg_sq")]
-        runs[graphs] = ([p.detach().view(torch.int16) for p in params], states, torch.stack(norms))
-        if graphs:
-            assert {k[0]: v.captures for k, v in opt._graphed.items()} == {"update": 1, "norms": 1}
-    for a, b in zip(runs[False], runs[True]):
-        for x, y in zip(a, b):
-            assert torch.equal(x, y)
+    shapes = [(64 + 8 * i, 32) for i in range(11)] + [(32,)]  # a full chunk and a short one; a 1-d tensor: no decay
+    a = [torch.nn.Parameter((torch.randn(s, device="cuda") * 0.02).bfloat16()) for s in shapes]
+    b = [torch.nn.Parameter(torch.randn(48, 16, device="cuda") * 0.02) for _ in range(3)]
+    torch.manual_seed(1)
+    opt = LowbitAdamW([{"params": a, "precision": low}, {"params": b, "precision": plain}], lr=1e-3,
+                      cuda_graphs=graphs)
+    g = torch.Generator(device="cuda").manual_seed(2)
+    norms, saved = [], None
+    for step in range(9):
+        for group in opt.param_groups:
+            group["lr"] = 1e-3 * (step + 1)
+        used = [p for i, p in enumerate(a + b) if not (step == 4 and i == 3)]
+        sum((p.float() * torch.randn(p.shape, device="cuda", generator=g)).sum() for p in used).backward()
+        norms.append(opt.clip_grad_norm_(0.5))
+        opt.step()
+        opt.zero_grad()
+        if step == 2:
+            saved = copy.deepcopy(opt.state_dict())
+        if step == 6:
+            opt.load_state_dict(saved)
+
+    def bits(t):
+        return t.detach().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+    states = [bits(opt.state[p][k]) for p in a + b for k in ("exp_avg", "exp_avg_sq")]
+    return [bits(p) for p in a + b] + states + [bits(torch.stack(norms))], opt
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_optimizer_cuda_graphs_replay_the_eager_steps_bit_for_bit(rounding):
+    """The update and the stored norms run eagerly, then are captured, then replayed (a new key runs eagerly
+    again): every step equals the eager optimizer's, and stochastic rounding draws fresh noise each replay."""
+    eager, _ = _optimizer_steps(False, rounding)
+    graphed, opt = _optimizer_steps(True, rounding)
+    assert {k[0] for k in opt._graphed} == {"update", "norms"}
+    assert all(1 <= v.captures <= v.limit and v.graph is not None for v in opt._graphed.values())
+    for x, y in zip(eager, graphed):
+        assert torch.equal(x, y)

@@ -313,7 +313,7 @@ class LowbitAdamW(torch.optim.Optimizer):
 
         if not self._graphs_on(device):
             return run()
-        return self._graphed.setdefault(("norms", device), Graphed())(key_of([(s.data, s.scale) for s in stored]), run)
+        return self._graphed.setdefault(("norms", device), Graphed(device))(key_of([(s.data, s.scale) for s in stored]), run)
 
     def _graphs_on(self, device: torch.device) -> bool:
         return self.cuda_graphs and device.type == "cuda"
@@ -378,7 +378,7 @@ class LowbitAdamW(torch.optim.Optimizer):
                     self._fn(_update_all, device)(*call)
 
             if self._graphs_on(device):
-                self._graphed.setdefault(("update", device), Graphed())(key_of(calls), run)
+                self._graphed.setdefault(("update", device), Graphed(device))(key_of(calls), run)
             else:
                 run()
         return loss

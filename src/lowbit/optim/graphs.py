@@ -13,36 +13,46 @@ state replaced by a checkpoint load) runs eagerly again; after `limit` captures 
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
 
 
 class Graphed:
-    def __init__(self, limit: int = 4):
+    def __init__(self, device: torch.device, limit: int = 4):
+        self.device = device
         self.limit = limit
         self.captures = 0
         self.seen = None  # the key of the last eager run
         self.key = self.graph = self.out = None
+        self.stream = None  # the capture stream, on `device` (the default one is on whichever device came first)
 
     def __call__(self, key, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """fn() (its output a tensor or None), run eagerly or replayed as `key` says. A returned tensor is a copy:
         the graph's own output is overwritten by the next replay."""
-        if self.graph is not None and key == self.key:
-            self.graph.replay()
-            return None if self.out is None else self.out.clone()
-        if key != self.seen or self.captures >= self.limit:
-            self.seen = key
-            return fn()
-        self.graph = None  # the old graph's memory pool goes before the new one is taken
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: a data-loader or checkpoint thread's CUDA calls during capture are not an error
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            out = fn()
-        self.graph, self.key, self.out = graph, key, out
-        self.captures += 1
-        graph.replay()  # capture only records: this runs the step
-        return None if out is None else out.clone()
+        with torch.cuda.device(self.device):  # capture records only the current device's work
+            if self.graph is not None and key == self.key:
+                self.graph.replay()
+                return None if self.out is None else self.out.clone()
+            if key != self.seen or self.captures >= self.limit:
+                self.seen = key
+                return fn()
+            self.graph = self.out = None  # the old graph's memory pool goes before the new one is taken
+            self.captures += 1
+            self.stream = self.stream or torch.cuda.Stream(self.device)
+            graph = torch.cuda.CUDAGraph()
+            try:  # thread_local: a data-loader or checkpoint thread's CUDA calls during capture are not an error
+                with torch.cuda.graph(graph, stream=self.stream, capture_error_mode="thread_local"):
+                    out = fn()
+            except Exception as e:  # capture records, it runs nothing: the step is still to be done, eagerly
+                warnings.warn(f"lowbit: the optimizer's CUDA graph capture failed ({type(e).__name__}: {e}); "
+                              f"it runs eagerly from now on")
+                self.captures = self.limit
+                return fn()
+            self.graph, self.key, self.out = graph, key, out
+            graph.replay()  # capture only records: this runs the step
+            return None if out is None else out.clone()
 
 
 def key_of(items) -> tuple:

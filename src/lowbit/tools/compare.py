@@ -37,7 +37,7 @@ from lowbit.errors import LowbitError
 
 LAST_N = 10  # the final training loss is the mean of the last LAST_N steps: one batch's loss is noisy
 # Keys that may differ between the config a run was started with and the one that continues it.
-CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir")
+CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir", "optim.cuda_graphs")  # how, not what, it trains
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 # A variant's `+` that starts a `section.key=` override; any other `+` (a value such as 1e+3) stays.
 VARIANT_SPLIT = re.compile(r"\+(?=[a-z_]+\.[a-z_0-9]+=)")

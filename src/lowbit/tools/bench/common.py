@@ -129,7 +129,7 @@ def maybe_compile(module, compiled: bool):
 def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) -> list[str]:
     """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
     a user error. `variants`: an entry may be RECIPE+section.key=value (as in `lowbit compare`), the trainer's
-    config with those settings (`bench step`: optim.* settings)."""
+    config with those [optim] settings (`bench step`)."""
     from lowbit.recipes import get_recipe
     from lowbit.tools.compare import split_entry
     from lowbit.train.config import load_config
@@ -139,6 +139,8 @@ def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) ->
         base, overrides = split_entry(n)
         if overrides and not variants:
             raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step`")
+        if any(not o.startswith("--optim.") for o in overrides):  # the only settings the step takes from a config
+            raise LowbitError(f"bench: --recipes: {n!r}: a variant sets optim.* keys only")
         get_recipe(base)
         load_config(None, ["--recipe", base, *overrides])  # a bad setting fails here, before anything is measured
     return (["bf16"] if baseline else []) + [n for n in out if n != "bf16"]

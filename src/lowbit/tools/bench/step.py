@@ -55,7 +55,8 @@ def run_step(a, device: torch.device, report: Report) -> None:
                            [("variant", "variant", ""), ("ms", "ms/step (median)", ".1f"),
                             ("tokens_per_s", "tokens/s", ",.0f"), ("mfu_pct", "MFU %", ".1f"),
                             ("speedup_vs_bf16", "vs bf16", ".3f"), ("vs_fp8_tensorwise", "ms vs fp8-tensorwise", ".3f"),
-                            ("peak_mem_gib", "peak GiB", ".2f"), ("first_step_s", "first step s", ".1f")]))
+                            ("peak_mem_gib", "peak GiB", ".2f"), ("reserved_gib", "reserved GiB", ".2f"),
+                            ("first_step_s", "first step s", ".1f")]))
     prof = report.table(Table("profile", f"where the step's time goes (`{a.preset}`, {mode}; ms)",
                               profile.columns(device))) if a.profile else None
     x, y = batch(a.batch, a.seq, a.vocab, device)
@@ -95,6 +96,8 @@ def run_step(a, device: torch.device, report: Report) -> None:
             row["mfu_pct"] = 100 * row["tokens_per_s"] * flops / peak if peak else None
             if device.type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+                # held by the allocator, CUDA graph pools included (their blocks are not "allocated" between replays)
+                row["reserved_gib"] = torch.cuda.max_memory_reserved(device) / 2**30
             if prof:
                 profiling = True
                 prow["step_ms"] = row["ms"]
