@@ -72,6 +72,11 @@ case "${1:-all}" in
         # with and without in one run, nanotron-r2 with (s14 measured it without)
     part profile_1b_graphs "${STEP_S:-420}" step --steps 10 --warmup 2 --no-bf16 --torchao none --compile-scope blocks \
       --recipes fp8-tensorwise,fp8lm-o2,fp8lm-o2+optim.cuda_graphs=false,nanotron-r2 --profile ;;
+  s16)  # session 12: s15's o2 with graphs had a slower forward phase; again with and without, without first,
+        # 20 steps, nanotron-r2 both ways, recompiles logged (a cache-limit fallback to eager would show)
+    TORCH_LOGS=recompiles part graphs_ab "${STEP_S:-470}" step --steps 20 --warmup 3 --no-bf16 --torchao none \
+      --compile-scope blocks --profile --recipes fp8lm-o2+optim.cuda_graphs=false,fp8lm-o2,fp8-tensorwise,\
+nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile
