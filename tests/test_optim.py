@@ -542,3 +542,30 @@ def test_optim_cuda_graphs_setting_reaches_the_optimizer():
         model = Llama(ModelArgs(dim=32, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=64, vocab_size=64, max_seq_len=16))
         opt = build_optimizer(model, get_recipe("fp8lm-o2"), optim_precision(cfg), cfg)
         assert opt.cuda_graphs is want and optim_precision(cfg).grads == "e4m3"
+
+
+def test_compiled_optimizer_makes_one_graph_per_chunk_length_whatever_the_shapes(monkeypatch):
+    """`1b`'s weights (2048x2048, 5632x2048, 2048x5632, 256x2048, ...) in chunks of 8: every chunk of one length
+    shares a graph. Duck sizing and a Parameter's static shape made a graph per pattern of equal sizes and per
+    weight shape, until dynamo's limit of 8 sent the rest to eager."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real(fn, backend="eager", **kw))  # trace, no codegen
+    torch._dynamo.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    shapes = [(16, 16), (44, 16), (16, 44), (4, 16), (16, 16), (44, 16), (16, 44)] * 3  # 21: chunks 8, 8, 5
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    prec = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+    opt = LowbitAdamW(params, lr=1e-3, precision=prec, compile=True, cuda_graphs=False)
+    for _ in range(2):
+        for _ in range(2):  # two micro-batches: stores empty, then filled
+            sum((p.float() * torch.randn(p.shape)).sum() for p in params).backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    # gradient stores: (empty, filled) x (8, 5); update: 8, 5; norms: 8, 5
+    assert counters["stats"]["unique_graphs"] <= 8, dict(counters["stats"])
+    torch._dynamo.reset()

@@ -21,6 +21,7 @@ import math
 import weakref
 
 import torch
+import torch.fx.experimental._config as fx_config
 from torch.distributed.tensor import DTensor
 
 from lowbit.backward_end import at_backward_end
@@ -174,6 +175,17 @@ def _chunks(items: list[tuple]) -> list[list[tuple]]:
     return [run[i:i + CHUNK] for run in by_wd.values() for i in range(0, len(run), CHUNK)]
 
 
+def _without_duck_sizing(compiled):
+    """`compiled` traced with every size its own symbol. Duck sizing (the default) gives equal sizes one symbol
+    and guards on the equality, so the next chunk, whose 2048s fall elsewhere, recompiled: at `1b` the update,
+    the gradient stores and the norms each hit dynamo's limit of 8 graphs (then run eagerly), and compiling took
+    minutes."""
+    def call(*args):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args)
+    return call
+
+
 def _stored_norms(datas: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([d.float().norm() / s for d, s in zip(datas, scales)])
 
@@ -324,7 +336,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         if not use:
             return fn
         if fn.__name__ not in self._compiled:
-            self._compiled[fn.__name__] = torch.compile(fn, dynamic=True)
+            self._compiled[fn.__name__] = _without_duck_sizing(torch.compile(fn, dynamic=True))
         return self._compiled[fn.__name__]
 
     @torch.no_grad()
@@ -363,7 +375,8 @@ class LowbitAdamW(torch.optim.Optimizer):
                 st = self.state[p]
                 store = self._grads.get(p)
                 grad = (store.data, store.scale, store.kind) if store is not None else (local(g), none, "fp32")
-                items.append((local(p), *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
+                # detached: a Parameter's shape is static to dynamo (a graph per weight shape), a tensor's is not
+                items.append((local(p).detach(), *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
                               st["exp_avg_sq_scale"], st.get("master", none), st.get("master_scale", none),
                               st["step"], wd))
             lr = self._lr.get((gi, device))  # a tensor: no recompiles as lr changes, and a graph reads it
