@@ -17,6 +17,7 @@ Clearing a store costs nothing (its first add resets scale and flag), and clippi
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -180,9 +181,10 @@ def _without_duck_sizing(compiled):
     and guards on the equality, so the next chunk, whose 2048s fall elsewhere, recompiled: at `1b` the update,
     the gradient stores and the norms each hit dynamo's limit of 8 graphs (then run eagerly), and compiling took
     minutes."""
-    def call(*args):
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
         with fx_config.patch(use_duck_shape=False):
-            return compiled(*args)
+            return compiled(*args, **kwargs)
     return call
 
 

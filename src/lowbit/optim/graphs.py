@@ -8,7 +8,8 @@ learning-rate buffer), so once a call has run eagerly its kernels can be capture
 A `Graphed` call is keyed by everything it bakes in: the address of every tensor it reads or writes and every
 Python value it uses. A key seen for the first time runs eagerly (it compiles, allocates); the same key the next
 time is captured and replayed, and replayed from then on. A new key (a parameter without a gradient this step, a
-state replaced by a checkpoint load) runs eagerly again; after `limit` captures the call stays eager for good.
+state replaced by a checkpoint load) runs eagerly again; after `limit` captures the call stays eager for good, and
+so does one whose key is None.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class Graphed:
     def __call__(self, key, fn: Callable[[], torch.Tensor | None]) -> torch.Tensor | None:
         """fn() (its output a tensor or None), run eagerly or replayed as `key` says. A returned tensor is a copy:
         the graph's own output is overwritten by the next replay."""
+        if key is None:
+            return fn()
         with torch.cuda.device(self.device):  # capture records only the current device's work
             if self.graph is not None and key == self.key:
                 self.graph.replay()
@@ -55,15 +58,21 @@ class Graphed:
             return None if out is None else out.clone()
 
 
-def key_of(items) -> tuple:
+def key_of(items) -> tuple | None:
     """A key for nested tuples/lists of tensors and plain values: each tensor by its address, dtype, shape and
-    strides."""
+    strides. None (never captured) if a tensor is a subclass: its address is not its data's (FSDP's FP8 gather
+    weights), and a replay would skip its Python dispatch."""
     out = []
     for x in items:
         if isinstance(x, torch.Tensor):
+            if type(x) is not torch.Tensor and not isinstance(x, torch.nn.Parameter):
+                return None
             out.append((x.data_ptr(), x.dtype, tuple(x.shape), x.stride()))
         elif isinstance(x, (list, tuple)):
-            out.append(key_of(x))
+            inner = key_of(x)
+            if inner is None:
+                return None
+            out.append(inner)
         else:
             out.append(x)
     return tuple(out)
