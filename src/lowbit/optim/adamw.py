@@ -327,7 +327,8 @@ class LowbitAdamW(torch.optim.Optimizer):
 
         if not self._graphs_on(device):
             return run()
-        return self._graphed.setdefault(("norms", device), Graphed(device))(key_of([(s.data, s.scale) for s in stored]), run)
+        graphed = self._graphed.setdefault(("norms", device), Graphed(device))
+        return graphed(key_of([(s.data, s.scale) for s in stored]), run)
 
     def _graphs_on(self, device: torch.device) -> bool:
         return self.cuda_graphs and device.type == "cuda"
