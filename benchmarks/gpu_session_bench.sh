@@ -77,6 +77,12 @@ case "${1:-all}" in
     TORCH_LOGS=recompiles part graphs_ab "${STEP_S:-470}" step --steps 20 --warmup 3 --no-bf16 --torchao none \
       --compile-scope blocks --profile --recipes fp8lm-o2+optim.cuda_graphs=false,fp8lm-o2,fp8-tensorwise,\
 nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
+  s17)  # next: after the recompile fix (dda3f39), first steps and 20-step medians of the FP8-LM and nanotron
+        # optimizers and fp4 at `1b`, recompiles logged; then bf16 and torchao beside fp8-tensorwise
+    TORCH_LOGS=recompiles part fixed_1b "${STEP_S:-420}" step --steps 20 --warmup 3 --no-bf16 --torchao none \
+      --compile-scope blocks --profile --recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4
+    part ratio_1b "${RATIO_S:-150}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise --torchao tensorwise \
+      --compile-scope blocks ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile
