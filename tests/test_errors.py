@@ -243,3 +243,14 @@ def test_export_to_a_file_path(capsys, tmp_path, dataset):
     target = tmp_path / "file"
     target.write_text("x")
     assert_user_error(capsys, ["export-hf", run, target], "is a file")
+
+
+def test_config_toml_round_trips_strings_with_control_characters():
+    """A run dir or note with a tab, newline, quote or backslash writes a config.toml that reads back the same."""
+    import tomllib
+
+    from lowbit.train.config import load_config, to_toml
+
+    odd = 'runs/a\tb\nc"d\\e\x7f\u2028é'
+    cfg = load_config(None, ["--run.dir", odd])
+    assert tomllib.loads(to_toml(cfg))["run"]["dir"] == odd

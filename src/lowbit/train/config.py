@@ -405,9 +405,13 @@ def to_toml(cfg: Config) -> str:
 def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, str):  # a basic string: backslash, quote and control characters escaped (TOML 1.0)
+        return '"' + "".join(c if c not in '\\"' and c.isprintable() else _toml_escape(c) for c in v) + '"'
     return repr(v)
+
+
+def _toml_escape(c: str) -> str:
+    return {"\\": "\\\\", '"': '\\"'}.get(c) or (f"\\u{ord(c):04X}" if ord(c) < 0x10000 else f"\\U{ord(c):08X}")
 
 
 def help_text() -> str:
