@@ -45,7 +45,7 @@ def test_bench_subcommand(what, tmp_path, capsys):
     if what != "gemm" and torchao_module() is None:
         assert "torchao is not installed" in stdout
     if what in ("gemm", "linear", "mlp", "block", "step"):
-        assert all(r["ms"] > 0 for r in rows if r["variant"] != "memory floor (one pass)")
+        assert all(r["ms"] > 0 and len(r["ms_each"]) == 1 for r in rows if r["variant"] != "memory floor (one pass)")
     if what == "mlp":
         assert {r["variant"] for r in doc["tables"]["quantize"]["rows"]} >= {"lowbit quantize (eager)",
                                                                                 "plain formula (eager)"}

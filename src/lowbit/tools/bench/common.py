@@ -87,7 +87,8 @@ def sync(device: torch.device) -> None:
 
 
 def time_ms(fn, device: torch.device, iters: int, warmup: int) -> dict:
-    """Median (and min) milliseconds of fn(): CUDA events on a GPU, a wall-clock timer on the CPU."""
+    """Median (and min, and every iteration's: a spread or a slow step every N shows) milliseconds of fn(): CUDA
+    events on a GPU, a wall-clock timer on the CPU."""
     for _ in range(warmup):
         fn()
     sync(device)
@@ -104,7 +105,7 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": statistics.median(times), "ms_min": min(times), "iters": iters}
+    return {"ms": statistics.median(times), "ms_min": min(times), "iters": iters, "ms_each": [round(t, 3) for t in times]}
 
 
 def error_row(e: BaseException) -> dict:
