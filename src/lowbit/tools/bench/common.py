@@ -105,7 +105,8 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int) -> dict:
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-    return {"ms": statistics.median(times), "ms_min": min(times), "iters": iters, "ms_each": [round(t, 3) for t in times]}
+    return {"ms": statistics.median(times), "ms_min": min(times), "iters": iters,
+            "ms_each": [round(t, 3) for t in times]}
 
 
 def error_row(e: BaseException) -> dict:
