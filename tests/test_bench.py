@@ -47,8 +47,10 @@ def test_bench_subcommand(what, tmp_path, capsys):
     if what in ("gemm", "linear", "mlp", "block", "step"):
         assert all(r["ms"] > 0 and len(r["ms_each"]) == 1 for r in rows if r["variant"] != "memory floor (one pass)")
     if what == "mlp":
-        assert {r["variant"] for r in doc["tables"]["quantize"]["rows"]} >= {"lowbit quantize (eager)",
-                                                                                "plain formula (eager)"}
+        quantize = doc["tables"]["quantize"]["rows"]
+        assert {r["variant"] for r in quantize} >= {"lowbit quantize (eager)", "plain formula (eager)"}
+        timed = [r for r in quantize if "floor" not in r["variant"]]
+        assert timed and all(r["ms_back_to_back"] > 0 and r["gb_s_back_to_back"] > 0 for r in timed)
     if what == "step":
         assert all(r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 for r in rows)
     if what == "memory":

@@ -109,6 +109,25 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int) -> dict:
             "ms_each": [round(t, 3) for t in times]}
 
 
+def back_to_back_ms(fn, device: torch.device, iters: int) -> float:
+    """Milliseconds per call of `iters` calls launched back to back between one pair of events: while the host
+    launches faster than the GPU runs, the queue stays full and this is the kernels' time, as inside a step. A
+    call timed alone (time_ms) waits for its own launch (guards, wrapper) on an idle GPU."""
+    sync(device)
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end) / iters
+
+
 def error_row(e: BaseException) -> dict:
     if isinstance(e, torch.OutOfMemoryError):
         return {"error": "out of memory"}
