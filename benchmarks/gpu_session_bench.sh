@@ -83,6 +83,8 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
       --compile-scope blocks --profile --recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4
     part ratio_1b "${RATIO_S:-150}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise --torchao tensorwise \
       --compile-scope blocks ;;
+  s18)  # next: the 7B MLP beside torchao again, and the quantization timed back to back (its kernels' time)
+    part mlp2 "${MLP_S:-200}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile
