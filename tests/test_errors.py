@@ -136,6 +136,12 @@ def test_run_dir_not_writable(capsys, tmp_path, dataset):
     assert blocker.read_text() == "not a directory"
 
 
+def test_run_dir_with_undecodable_bytes_is_refused_before_it_is_made(capsys, tmp_path, dataset):
+    run = str(tmp_path / "run") + "\udcff"  # what Python makes of a non-UTF-8 byte in argv
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--run.dir", run], "not valid Unicode")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_resume_missing_or_corrupt(capsys, tmp_path, dataset):
     run = tmp_path / "run"
     assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--run.dir", run, "--run.resume"],
@@ -246,11 +252,15 @@ def test_export_to_a_file_path(capsys, tmp_path, dataset):
 
 
 def test_config_toml_round_trips_strings_with_control_characters():
-    """A run dir or note with a tab, newline, quote or backslash writes a config.toml that reads back the same."""
+    """A run dir with a tab, newline, quote or backslash writes a config.toml that reads back the same; one with
+    undecodable bytes (a lone surrogate) is a one-line error."""
     import tomllib
 
+    from lowbit.errors import LowbitError
     from lowbit.train.config import load_config, to_toml
 
-    odd = 'runs/a\tb\nc"d\\e\x7f\u2028é'
+    odd = 'runs/a\tb\nc"d\\e\x7f\u2028é\U000E0001\U0001F600'
     cfg = load_config(None, ["--run.dir", odd])
     assert tomllib.loads(to_toml(cfg))["run"]["dir"] == odd
+    with pytest.raises(LowbitError, match="not valid Unicode"):
+        to_toml(load_config(None, ["--run.dir", "runs/\udcff"]))

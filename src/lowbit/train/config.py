@@ -406,6 +406,8 @@ def _toml_value(v) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, str):  # a basic string: backslash, quote and control characters escaped (TOML 1.0)
+        if any("\ud800" <= c <= "\udfff" for c in v):  # undecodable bytes from the command line: no TOML for it
+            raise LowbitError(f"config: {v!r} is not valid Unicode (it has bytes that are not UTF-8)")
         return '"' + "".join(c if c not in '\\"' and c.isprintable() else _toml_escape(c) for c in v) + '"'
     return repr(v)
 

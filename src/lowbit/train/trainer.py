@@ -236,6 +236,7 @@ def train(cfg: Config) -> dict:
                               f"the config asks for {recipe.name!r} (their scaling states differ)")
     if cfg.run.tensorboard:
         check_tensorboard()
+    config_text = to_toml(cfg)  # a value TOML cannot hold fails here, before the run dir exists
     lead_first(mesh, lambda: prepare_run_dir(run_dir, cfg.run.resume) if lead else None)
 
     # ---- build ----
@@ -290,7 +291,7 @@ def train(cfg: Config) -> dict:
     step_fn = compile_model(model, t.compile_scope) if t.compile else model
 
     if lead:
-        (run_dir / "config.toml").write_text(to_toml(cfg))
+        (run_dir / "config.toml").write_text(config_text)
         shutil.copyfile(dataset.tokenizer_path, run_dir / "tokenizer.json")
     metrics = Metrics(run_dir, cfg.run.tensorboard) if lead else _Silent()
     # Optimizer-state telemetry: the lead rank's own states only (ZeRO: its share; pipeline: its stage's), no

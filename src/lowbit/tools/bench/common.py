@@ -106,7 +106,7 @@ def time_ms(fn, device: torch.device, iters: int, warmup: int) -> dict:
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
     return {"ms": statistics.median(times), "ms_min": min(times), "iters": iters,
-            "ms_each": [round(t, 3) for t in times]}
+            "ms_each": [round(t, 5) for t in times]}
 
 
 def back_to_back_ms(fn, device: torch.device, iters: int) -> float:

@@ -69,9 +69,11 @@ def run_quantize(a, device: torch.device, report: Report) -> None:
 
     t = report.table(Table("quantize", f"per-tensor E4M3 quantization, {a.tokens} x {a.dim} bf16",
                            [("variant", "variant", ""), ("ms", "ms (median)", ".4f"), ("gb_s", "GB/s", ".0f"),
-                            ("ms_back_to_back", "ms back to back", ".4f"), ("gb_s_back_to_back", "GB/s", ".0f")]))
+                            ("ms_back_to_back", "ms back to back", ".4f"),
+                            ("gb_s_back_to_back", "GB/s back to back", ".0f")]))
     t.notes.append("ms: one call timed alone (its launch included: the GPU idles while the host runs the compiled "
-                   "wrapper); back to back: the mean over the calls launched in a row, the kernels' own time")
+                   "wrapper); back to back: the mean over the calls launched in a row, the kernels' own time "
+                   "unless the host launches slower than they run")
     v = torch.randn(a.tokens, a.dim, device=device).to(torch.bfloat16)
     spec = Scaling("e4m3")
 
