@@ -325,13 +325,14 @@ class LowbitAdamW(torch.optim.Optimizer):
                                                               [s.scale for s in stored[i:i + CHUNK]])
                               for i in range(0, len(stored), CHUNK)])
 
-        if not self._graphs_on(device):
-            return run()
-        graphed = self._graphed.setdefault(("norms", device), Graphed(device))
-        return graphed(key_of([(s.data, s.scale) for s in stored]), run)
+        return self._replayed("norms", device, lambda: [(s.data, s.scale) for s in stored], run)
 
-    def _graphs_on(self, device: torch.device) -> bool:
-        return self.cuda_graphs and device.type == "cuda"
+    def _replayed(self, what: str, device: torch.device, touched, run):
+        """run(); on a GPU replayed as a CUDA graph (lowbit.optim.graphs) keyed by touched(): the tensors and
+        values it reads or writes."""
+        if not (self.cuda_graphs and device.type == "cuda"):
+            return run()
+        return self._graphed.setdefault((what, device), Graphed(device))(key_of(touched()), run)
 
     def _fn(self, fn, device: torch.device):
         """`fn`, compiled where it pays (GPU, unless the constructor's `compile` says otherwise)."""
@@ -393,10 +394,7 @@ class LowbitAdamW(torch.optim.Optimizer):
                 for call in calls:
                     self._fn(_update_all, device)(*call)
 
-            if self._graphs_on(device):
-                self._graphed.setdefault(("update", device), Graphed(device))(key_of(calls), run)
-            else:
-                run()
+            self._replayed("update", device, lambda calls=calls: calls, run)
         return loss
 
     def _grad_for_step(self, p):

@@ -86,25 +86,29 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _elapsed_ms(fn, device: torch.device, calls: int) -> float:
+    """Milliseconds for `calls` calls of fn() launched in a row: CUDA events on a GPU, a wall clock on the CPU."""
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        return (time.perf_counter() - t0) * 1e3
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    torch.cuda.synchronize(device)
+    return start.elapsed_time(end)
+
+
 def time_ms(fn, device: torch.device, iters: int, warmup: int) -> dict:
-    """Median (and min, and every iteration's: a spread or a slow step every N shows) milliseconds of fn(): CUDA
-    events on a GPU, a wall-clock timer on the CPU."""
+    """Median (and min, and every iteration's: a spread or a slow step every N shows) milliseconds of fn(), each
+    call timed alone."""
     for _ in range(warmup):
         fn()
     sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
+    times = [_elapsed_ms(fn, device, 1) for _ in range(iters)]
     return {"ms": statistics.median(times), "ms_min": min(times), "iters": iters,
             "ms_each": [round(t, 5) for t in times]}
 
@@ -114,18 +118,7 @@ def back_to_back_ms(fn, device: torch.device, iters: int) -> float:
     launches faster than the GPU runs, the queue stays full and this is the kernels' time, as inside a step. A
     call timed alone (time_ms) waits for its own launch (guards, wrapper) on an idle GPU."""
     sync(device)
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize(device)
-    return start.elapsed_time(end) / iters
+    return _elapsed_ms(fn, device, iters) / iters
 
 
 def error_row(e: BaseException) -> dict:
@@ -151,7 +144,6 @@ def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) ->
     """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
     a user error. `variants`: an entry may be RECIPE+section.key=value (as in `lowbit compare`), the trainer's
     config with those [optim] settings (`bench step`)."""
-    from lowbit.recipes import get_recipe
     from lowbit.tools.compare import split_entry
     from lowbit.train.config import load_config
 
@@ -162,8 +154,7 @@ def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) ->
             raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step`")
         if any(not o.startswith("--optim.") for o in overrides):  # the only settings the step takes from a config
             raise LowbitError(f"bench: --recipes: {n!r}: a variant sets optim.* keys only")
-        get_recipe(base)
-        load_config(None, ["--recipe", base, *overrides])  # a bad setting fails here, before anything is measured
+        load_config(None, ["--recipe", base, *overrides])  # a bad recipe or setting fails here, before anything runs
     return (["bf16"] if baseline else []) + [n for n in out if n != "bf16"]
 
 
