@@ -55,7 +55,7 @@ def phase_ms(forward, backward, optimizer, device: torch.device, iters: int) -> 
     return {f"{p}_ms": statistics.median(v) for p, v in times.items()}
 
 
-def kernel_ms(step, device: torch.device, top: int = 12) -> dict:
+def kernel_ms(step, device: torch.device, top: int = 40) -> dict:
     """One profiled step on a GPU: kernel ms by kind, `busy_ms` (the union of kernel intervals: streams may
     overlap) and the `top` kernels by total time. Empty on the CPU (no kernels to tell apart). The profiler slows
     the host, so the profiled step's own span overstates the GPU's idle time: `idle(step_ms, ...)` uses the timed
