@@ -83,6 +83,10 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
       --compile-scope blocks --profile --recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4
     part ratio_1b "${RATIO_S:-150}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise --torchao tensorwise \
       --compile-scope blocks ;;
+  s19)  # next: after current scaling became a function of the tensor alone (q/k/v and w1/w3 inputs cast once per
+        # block under compile): time and peak memory beside torchao at `1b` (s17: 37.02 vs torchao's 31.00 GiB)
+    part cse_1b "${RATIO_S:-240}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise,fp8-delayed \
+      --torchao tensorwise --compile-scope blocks --profile ;;
   s18)  # next: the 7B MLP beside torchao again, and the quantization timed back to back (its kernels' time)
     part mlp2 "${MLP_S:-200}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
   s12)

@@ -56,6 +56,30 @@ def test_blocks_share_one_graph_and_match_eager(recipe, checkpointing):
     assert counters["stats"]["calls_captured"] == frames
 
 
+def test_linears_reading_one_input_cast_it_once():
+    """q, k, v read one normed input and w1, w3 another. A current scale depends on its tensor alone, so the
+    compiled block casts each input to FP8 once (qkv, wo, w1/w3, w2: 4 casts), not once per linear (7)."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.aot_autograd import make_boxed_func
+    from torch._functorch.partitioners import min_cut_rematerialization_partition  # inductor's partitioner
+
+    forwards = []
+
+    def keep(gm, _):
+        forwards.append(gm)
+        return make_boxed_func(gm.forward)
+
+    backend = aot_autograd(fw_compiler=keep, bw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                           partition_fn=min_cut_rematerialization_partition)
+    run = compile_model(_model("fp8-tensorwise", "none"), "blocks", backend=backend)
+    x = torch.randint(0, 256, (3, 32))  # 96 tokens: no weight has 96 rows
+    run(x, x).backward()
+    to_fp8 = (torch.ops.aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+    casts = [n for n in forwards[0].graph.nodes if n.target in to_fp8 and n.meta["val"].dtype == torch.float8_e4m3fn
+             and n.meta["val"].shape[0] == 96]
+    assert len(casts) == 4
+
+
 def test_a_copy_of_a_compiled_model_runs_its_own_head():
     model = _model("bf16", "none")
     compile_model(model, "blocks", backend="aot_eager")

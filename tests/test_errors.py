@@ -57,6 +57,8 @@ def dataset(tmp_path_factory) -> Path:
     (["--train.batch_size", "6", "--train.micro_batch_size", "4"], ["train.micro_batch_size"]),
     (["--data.val_fraction", "1.5"], ["data.val_fraction"]),
     (["--train.stop_at", "50", "--train.steps", "10"], ["train.stop_at"]),
+    (["--recipe", "fp8-tensorwise", "--numerics.dge_k", "2"], ["numerics.dge_k", "no DGE"]),
+    (["--recipe", "fp4", "--numerics.dge_clamp", "0"], ["numerics.dge_clamp", "> 0"]),
     (["stray"], ["stray"]),
 ])
 def test_bad_config_values(capsys, tmp_path, args, needles):

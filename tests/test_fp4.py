@@ -37,6 +37,33 @@ def test_dge_derivative_matches_closed_form_and_finite_differences():
     assert dge_factor(torch.tensor([0.0]), DGE()).item() == pytest.approx(0.2)  # on the grid: 1/k
 
 
+def test_dge_k_of_1_trains_as_straight_through():
+    """numerics.dge_k reaches the run's recipe, and fp4 with k = 1 computes fp4-no-dge's weight gradient bit for
+    bit."""
+    from torch import nn
+
+    from lowbit.recipes import convert, get_recipe, with_dge
+    from lowbit.train.config import load_config
+    from lowbit.train.trainer import recipe_of
+
+    got = recipe_of(load_config(None, ["--recipe", "fp4", "--numerics.dge_k", "2", "--numerics.dge_clamp", "1.5"]))
+    assert got.linear.dge == DGE(k=2.0, clamp=1.5)
+    assert recipe_of(load_config(None, ["--recipe", "fp4"])).linear.dge == DGE()
+
+    g = torch.Generator().manual_seed(0)
+    x, up = torch.randn(64, 128, generator=g), torch.randn(64, 32, generator=g)
+    grads = []
+    for recipe in (with_dge(get_recipe("fp4"), k=1.0), get_recipe("fp4-no-dge"), get_recipe("fp4")):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(128, 32, bias=False))
+        convert(model, recipe)
+        model(x).backward(up)
+        grads.append(model[0].weight.grad)
+    assert torch.equal(grads[0], grads[1]) and not torch.equal(grads[0], grads[2])
+    with pytest.raises(LowbitError, match="no DGE"):
+        with_dge(get_recipe("fp8-tensorwise"), clamp=2.0)
+
+
 def test_dge_limits_straight_through_and_hard_quantizer():
     x = _points()
     torch.testing.assert_close(dge_surrogate(x, 1.0), x)  # k = 1: f is the identity, f' = 1: straight-through

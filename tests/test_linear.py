@@ -89,14 +89,17 @@ def test_quantized_input_is_what_backward_keeps():
 
 
 def test_nan_and_inf_inputs():
-    """Defined behaviour: Inf saturates to ±max and its amax keeps the previous scale (counted); NaN propagates to
-    the output, where the trainer's non-finite check stops the run."""
+    """Defined behaviour: Inf saturates to ±max, the finite values are cast with their own scale (counted); NaN
+    propagates to the output, where the trainer's non-finite check stops the run."""
     layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
     layer(torch.randn(8, 64))
     x = torch.randn(8, 64)
     x[0, 0] = math.inf
     y = layer(x)
     assert torch.isfinite(y).all() and layer.scaling["input"].skipped.item() == 1
+    finite = x.clone()
+    finite[0, 0] = 0.0
+    assert torch.equal(y[1:], layer(finite)[1:])  # the other rows as if there were no Inf
     x[0, 0] = math.nan
     y = layer(x)
     assert torch.isnan(y[0]).all() and torch.isfinite(y[1:]).all()

@@ -64,16 +64,26 @@ def test_margin_and_power_of_two():
 
 
 @pytest.mark.parametrize("bad", [0.0, math.nan, math.inf])
-def test_bad_amax_keeps_previous_scale_and_is_counted(bad):
+def test_bad_amax_is_counted_and_keeps_the_state_scale(bad):
     for spec in (Scaling("e4m3"), Scaling("e4m3", strategy="delayed", history=4)):
         state = ScalingState(spec)
         state.scales_for(torch.tensor([2.0]), update=True)
         if spec.strategy == "delayed":
             state.scales_for(torch.tensor([2.0]), update=True)
         before = state.scale.item()
-        used = state.scales_for(torch.tensor([bad]), update=True).item()
+        x = torch.tensor([bad, 0.5]) if bad else torch.zeros(2)
+        used = state.scales_for(x, update=True).item()
         assert state.scale.item() == before and state.skipped.item() == 1
-        assert used == before  # current: the bad tensor is cast with the previous scale
+        if spec.strategy == "delayed":
+            assert used == before
+        else:  # current: the scale of the finite values (448 / 0.5; 1 if all are 0), whatever came before
+            assert used == (896.0 if bad else 1.0) and ScalingState(spec).scales_for(x, update=False) == used
+
+
+def test_current_scale_of_finite_values_per_row():
+    x = torch.tensor([[math.inf, 2.0], [math.nan, math.nan], [1.0, -4.0]])
+    used = ScalingState(Scaling("e4m3", "row")).scales_for(x, update=False)
+    assert used.flatten().tolist() == [224.0, 1.0, 112.0]
 
 
 def test_bad_amaxes_per_group_get_the_fallback_and_good_ones_a_finite_scale():

@@ -105,6 +105,16 @@ def with_filters(recipe: Recipe, **filters) -> Recipe:
     return replace(recipe, **{k: v for k, v in filters.items() if v is not None})
 
 
+def with_dge(recipe: Recipe, k: float | None = None, clamp: float | None = None) -> Recipe:
+    """The recipe with its DGE's k and clamp overridden where given (numerics.dge_k, numerics.dge_clamp)."""
+    over = {key: v for key, v in (("k", k), ("clamp", clamp)) if v is not None}
+    if not over:
+        return recipe
+    if recipe.linear is None or recipe.linear.dge is None:
+        raise LowbitError(f"recipe {recipe.name} has no DGE to set {', '.join(over)} of")
+    return replace(recipe, linear=replace(recipe.linear, dge=replace(recipe.linear.dge, **over)))
+
+
 def _kept(name: str, linear: nn.Linear, recipe: Recipe, n_layers: int | None) -> str | None:
     """Why `name` stays high precision, or None to convert it."""
     if recipe.keep_lm_head and name in ("output", "lm_head"):

@@ -16,7 +16,10 @@ from the window) and nanotron's interval semantics (`interval=N`: recomputed onc
 with no history yet, uses its own amax.
 
 scale = 2^-margin * fmt.max / amax, optionally rounded down to a power of two; `q = cast(x * scale)`.
-An amax that is 0, NaN or Inf keeps the previous scale (1 where there is none) and is counted.
+An amax that is 0, NaN or Inf is counted. A delayed scale then keeps the previous one. A current scale of an input
+or a weight comes from the tensor's finite values (1 if none is non-zero): it depends on the tensor alone, so
+linears that read one input (q, k, v) cast it identically and torch.compile merges their casts and saved copies.
+(The output gradient's current cast, in backward, keeps the previous scale: no two linears share a gradient.)
 """
 
 from __future__ import annotations
@@ -87,7 +90,12 @@ class Scaling:
 def group_amax(x: torch.Tensor, s: Scaling) -> torch.Tensor:
     """amax of each scaling group of a 2-D tensor, shaped to broadcast against the *padded* tiles:
     [] (tensor), [M, 1] (row), [1, K] (column), [ceil(M/r), ceil(K/c)] (block, mx)."""
-    a = x.detach().abs()  # a max is one of its inputs, exact in x's dtype: fp32 only after the reduction
+    return _group_max(x.detach().abs(), s)
+
+
+def _group_max(a: torch.Tensor, s: Scaling) -> torch.Tensor:
+    """group_amax of a tensor already made non-negative (a max is one of its inputs, exact in its dtype: fp32 only
+    after the reduction)."""
     g = s.granularity
     if g == "tensor":
         return a.amax().float()
@@ -122,13 +130,17 @@ def expand_groups(t: torch.Tensor, s: Scaling, shape: torch.Size) -> torch.Tenso
     return full[: shape[0], : shape[1]]
 
 
+def is_bad(amax: torch.Tensor) -> torch.Tensor:
+    # amax > 0 is false for NaN too: two comparisons cover 0, NaN and ±Inf (this runs for every cast, eagerly a
+    # kernel per op, so the op count matters)
+    return ~((amax > 0) & (amax < math.inf))
+
+
 def scale_from_amax(amax: torch.Tensor, s: Scaling, fallback: torch.Tensor | float = 1.0) -> tuple[torch.Tensor,
                                                                                                   torch.Tensor]:
     """(scale, bad) where bad marks groups whose amax was 0, NaN or Inf and that kept `fallback`."""
     fmt = s.format
-    # amax > 0 is false for NaN too: two comparisons cover 0, NaN and ±Inf (this runs for every cast, eagerly a
-    # kernel per op, so the op count matters)
-    bad = ~((amax > 0) & (amax < math.inf))
+    bad = is_bad(amax)
     scale = fmt.max / amax  # inf or NaN where bad: replaced by the fallback at the end
     if s.margin:
         scale = scale * 2.0 ** (-s.margin)
@@ -139,13 +151,28 @@ def scale_from_amax(amax: torch.Tensor, s: Scaling, fallback: torch.Tensor | flo
     return torch.where(bad, fallback, scale), bad
 
 
+def current_scale(x: torch.Tensor, s: Scaling, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Current scaling of `x`: (scale, amax, bad), from `x` alone (and the shards of it in `group`). A group with a
+    bad amax (0, NaN, Inf) is cast with the scale of its finite values: Inf saturates to ±max, NaN stays NaN, the
+    rest keeps its precision. No state is read, so two linears fed one tensor compute the same cast, which
+    torch.compile's common-subexpression pass then does once (and saves once for backward)."""
+    a = x.detach().abs()
+    amax = _group_max(a, s)
+    finite = _group_max(a.nan_to_num_(0.0, 0.0, 0.0), s)  # compiled, both maxima come from one pass over x
+    if group is not None:
+        amax, finite = all_max(torch.stack([amax, finite]), group).unbind()
+    scale, _ = scale_from_amax(finite, s)
+    return scale, amax, is_bad(amax)
+
+
 class ScalingState(nn.Module):
     """Per-operand state, in buffers so that state_dict() and checkpoints carry it.
 
-    scale        the scale used for the next cast (current: the last good one, the fallback for a bad amax)
+    scale        delayed: the scale of the next cast; current: the last good one (the fallback of the output
+                 gradient's cast and of FSDP's FP8 weight gather)
     amax_history most recent first (delayed)
     updates      how many amaxes were recorded
-    skipped      how many bad amaxes (0, NaN, Inf) kept the previous scale
+    skipped      how many bad amaxes (0, NaN, Inf) were seen
     """
 
     def __init__(self, s: Scaling):
@@ -173,14 +200,15 @@ class ScalingState(nn.Module):
         s = self.spec
         if replay and s.strategy == "delayed":
             return self.last_used  # no new op: selective checkpointing replays ops by count
+        if s.strategy == "current":
+            scale, amax, bad = current_scale(x, s, self.amax_group)
+            if update:  # the state's own scale keeps its last good value
+                kept = torch.where(bad, self.scale, scale) if s.granularity == "tensor" else None
+                self.observe(amax, bad.sum(), kept)
+            return scale
         amax = group_amax(x, s)
         if self.amax_group is not None:
             amax = all_max(amax, self.amax_group)
-        if s.strategy == "current":
-            scale, bad = scale_from_amax(amax, s, fallback=self.scale if s.granularity == "tensor" else 1.0)
-            if update:
-                self.observe(amax, bad.sum(), scale)
-            return scale
         # delayed: cast with the scale derived from past steps, then fold this amax into the history. With no
         # history yet (the first step), cast with the current amax instead of TransformerEngine's initial scale
         # of 1, which flushes nearly every gradient of the first step to zero.

@@ -96,6 +96,10 @@ class NumericsConfig:
     keep: str = opt("", "linears that stay in train.dtype, comma-separated: a name's ending ('w2', "
                         "'attention.wo') or a glob over the whole name ('layers.0.*')")
     telemetry_every: int = opt(50, "every N steps record amax, scale, underflow, saturation, SNR per operand; 0: off")
+    dge_k: float | None = opt(None, "recipes with DGE (fp4): its sharpness k, 1 = straight-through; unset: the "
+                                    "recipe's (5)")
+    dge_clamp: float | None = opt(None, "recipes with DGE (fp4): the largest factor it multiplies a weight gradient "
+                                        "by; unset: the recipe's (3)")
 
 
 @dataclass
@@ -301,6 +305,7 @@ POSITIVE = [
     "data.vocab_size", "data.seq_len", "train.steps", "train.batch_size", "train.lr", "train.eps",
     "train.eval_batches", "train.log_every", "train.rollback_after", "checkpoint.keep",
     "parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.timeout_s",
+    "numerics.dge_k", "numerics.dge_clamp",
 ]
 NON_NEGATIVE = [
     "model.performer_redraw",
@@ -363,6 +368,10 @@ def validate(cfg: Config) -> None:
     recipe = RECIPES[cfg.recipe]
     optim_precision(cfg)  # raises naming the optim key
     _check_keep(cfg)
+    n = cfg.numerics
+    if (n.dge_k is not None or n.dge_clamp is not None) and (recipe.linear is None or recipe.linear.dge is None):
+        key = "numerics.dge_k" if n.dge_k is not None else "numerics.dge_clamp"
+        raise LowbitError(f"{key}: recipe {cfg.recipe} has no DGE (fp4, fp4-weights-only and fp4-no-occ have)")
     if recipe.needs_grad_clip and not t.grad_clip:
         raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
@@ -428,6 +437,6 @@ def help_text() -> str:
         types_ = _field_types(cls)
         for f in dataclasses.fields(cls):
             base, nullable = _base_type(types_[f.name])
-            default = "(preset)" if f.default is None else repr(f.default) if isinstance(f.default, str) else f.default
+            default = "(unset)" if f.default is None else repr(f.default) if isinstance(f.default, str) else f.default
             lines.append(f"  --{section + '.' + f.name:<28} {default!s:<14} {f.metadata['help']} [{base.__name__}]")
     return "\n".join(lines)

@@ -36,7 +36,7 @@ from lowbit.models.performer import redraw_features
 from lowbit.linear import LowPrecisionLinear
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
-from lowbit.recipes import convert, covered_linears, get_recipe, with_filters
+from lowbit.recipes import convert, covered_linears, get_recipe, with_dge, with_filters
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.compile import compile_model, eager
 from lowbit.train.config import Config, optim_precision, to_dict, to_toml
@@ -179,13 +179,20 @@ def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=
     return mean_over(total, group).item() / max(1, count)
 
 
+def recipe_of(cfg: Config):
+    """The run's Recipe: the named one with the [numerics] module filters and DGE settings applied."""
+    n = cfg.numerics
+    recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
+                          min_dim=n.min_dim, keep=n.keep)
+    return with_dge(recipe, n.dge_k, n.dge_clamp)
+
+
 def train(cfg: Config) -> dict:
     """Train according to `cfg`; returns a summary (final step, losses, run dir)."""
     t = cfg.train
     run_dir = Path(cfg.run.dir)
     n = cfg.numerics
-    recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
-                          min_dim=n.min_dim, keep=n.keep)
+    recipe = recipe_of(cfg)
     precision = optim_precision(cfg)
     device = local_device(resolve_device(cfg.run.device))
     dtype = compute_dtype(t.dtype, device)
