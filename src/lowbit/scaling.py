@@ -19,7 +19,8 @@ scale = 2^-margin * fmt.max / amax, optionally rounded down to a power of two; `
 An amax that is 0, NaN or Inf is counted. A delayed scale then keeps the previous one. A current scale of an input
 or a weight comes from the tensor's finite values (1 if none is non-zero): it depends on the tensor alone, so
 linears that read one input (q, k, v) cast it identically and torch.compile merges their casts and saved copies.
-(The output gradient's current cast, in backward, keeps the previous scale: no two linears share a gradient.)
+(The output gradient's current cast, in backward, keeps the previous scale, tensor granularity: no two linears
+share a gradient.)
 """
 
 from __future__ import annotations
