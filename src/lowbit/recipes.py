@@ -111,7 +111,9 @@ def with_dge(recipe: Recipe, k: float | None = None, clamp: float | None = None)
     if not over:
         return recipe
     if recipe.linear is None or recipe.linear.dge is None:
-        raise LowbitError(f"recipe {recipe.name} has no DGE to set {', '.join(over)} of")
+        keys = ", ".join(f"numerics.dge_{key}" for key in over)
+        have = ", ".join(name for name, r in RECIPES.items() if r.linear is not None and r.linear.dge is not None)
+        raise LowbitError(f"{keys}: recipe {recipe.name} has no DGE ({have} have)")
     return replace(recipe, linear=replace(recipe.linear, dge=replace(recipe.linear.dge, **over)))
 
 

@@ -338,7 +338,7 @@ def _check_keep(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     from lowbit.models.llama import PRESETS
-    from lowbit.recipes import RECIPES
+    from lowbit.recipes import RECIPES, with_dge
 
     choices = dict(CHOICES, **{"model.preset": tuple(PRESETS)})
     for key, allowed in choices.items():
@@ -368,10 +368,7 @@ def validate(cfg: Config) -> None:
     recipe = RECIPES[cfg.recipe]
     optim_precision(cfg)  # raises naming the optim key
     _check_keep(cfg)
-    n = cfg.numerics
-    if (n.dge_k is not None or n.dge_clamp is not None) and (recipe.linear is None or recipe.linear.dge is None):
-        key = "numerics.dge_k" if n.dge_k is not None else "numerics.dge_clamp"
-        raise LowbitError(f"{key}: recipe {cfg.recipe} has no DGE (fp4, fp4-weights-only and fp4-no-occ have)")
+    with_dge(recipe, cfg.numerics.dge_k, cfg.numerics.dge_clamp)  # raises naming the key if the recipe has no DGE
     if recipe.needs_grad_clip and not t.grad_clip:
         raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
