@@ -89,7 +89,8 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     (["mlp", "--recipes", "fp8lm-o2+optim.rounding=stochastic"], "bench step"),  # a variant is a trainer's setting
     (["step", "--recipes", "fp8lm-o2+optim.nope=1"], "nope"),
     (["step", "--recipes", "fp8lm-o2+optim.rounding=up"], "optim.rounding"),
-    (["step", "--recipes", "fp8lm-o2+train.lr=0.1"], "optim.* keys only"),
+    (["step", "--recipes", "fp8lm-o2+train.lr=0.1"], "sets only optim.* keys"),
+    (["step", "--recipes", "bf16+model.dim=64"], "model.sdpa_backend"),  # a preset's shape is not a variant
 ])
 def test_bench_user_errors_are_one_line(args, needle, capsys):
     code, _, err = cli(capsys, "bench", *args)
@@ -183,3 +184,15 @@ def test_bench_step_variant_trains_with_its_setting(tmp_path, capsys, monkeypatc
     assert [r["variant"] for r in rows] == ["lowbit fp8lm-o2", f"lowbit {variant}"]
     assert all("error" not in r and r["ms"] > 0 for r in rows), rows
     assert built == ["nearest", "stochastic"]
+
+
+def test_bench_step_variant_computes_attention_with_its_kernel(tmp_path, capsys, monkeypatch):
+    import lowbit.models.llama as llama
+
+    seen = set()
+    real = llama.sdpa_order
+    monkeypatch.setattr(llama, "sdpa_order", lambda backend, q: seen.add(backend) or real(backend, q))
+    code, _, _ = cli(capsys, "bench", "step", *FAST, *SHAPES["step"], "--torchao", "none", "--no-bf16",
+                     "--recipes", "fp8-tensorwise+model.sdpa_backend=math", "--out", tmp_path / "step.json")
+    assert code == 0
+    assert seen == {"math"}

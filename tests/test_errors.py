@@ -59,6 +59,8 @@ def dataset(tmp_path_factory) -> Path:
     (["--train.stop_at", "50", "--train.steps", "10"], ["train.stop_at"]),
     (["--recipe", "fp8-tensorwise", "--numerics.dge_k", "2"], ["numerics.dge_k", "no DGE"]),
     (["--recipe", "fp4", "--numerics.dge_clamp", "0"], ["numerics.dge_clamp", "> 0"]),
+    (["--model.sdpa_backend", "fast"], ["model.sdpa_backend", "'fast' is not one of auto, cudnn"]),
+    (["--run.device", "cpu", "--model.sdpa_backend", "cudnn"], ["model.sdpa_backend", "CUDA only"]),
     (["stray"], ["stray"]),
 ])
 def test_bad_config_values(capsys, tmp_path, args, needles):
@@ -266,3 +268,15 @@ def test_config_toml_round_trips_strings_with_control_characters():
     assert tomllib.loads(to_toml(cfg))["run"]["dir"] == odd
     with pytest.raises(LowbitError, match="not valid Unicode"):
         to_toml(load_config(None, ["--run.dir", "runs/\udcff"]))
+
+
+def test_sdpa_backend_is_refused_under_context_parallelism(monkeypatch):
+    import lowbit.distributed.mesh as mesh
+    from lowbit.errors import LowbitError
+    from lowbit.train.config import load_config
+
+    monkeypatch.setattr(mesh, "world_size", lambda: 2)  # the layout is checked against the processes running
+    cp = ["--parallel.cp", "2", "--data.seq_len", "64"]
+    with pytest.raises(LowbitError, match=r"model.sdpa_backend \(math\): context parallelism"):
+        load_config(None, [*cp, "--model.sdpa_backend", "math"])
+    load_config(None, cp)

@@ -267,3 +267,28 @@ def test_optimizer_cuda_graphs_replay_the_eager_steps_bit_for_bit(rounding):
     assert all(1 <= v.captures <= v.limit and v.graph is not None for v in opt._graphed.values())
     for x, y in zip(eager, graphed):
         assert torch.equal(x, y)
+
+
+def test_sdpa_backends_on_gpu_agree_and_auto_takes_cudnn_on_hopper():
+    from lowbit.models.llama import CausalSDPA
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    outs = {}
+    for backend in ("auto", "flash", "cudnn"):
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = CausalSDPA(backend)(q, k, v)
+            out.float().square().sum().backward()
+            torch.cuda.synchronize()
+        kernels = " ".join(e.name.lower() for e in prof.events())
+        outs[backend] = (out.detach().float(), *(t.grad.float() for t in (q, k, v)))
+        q.grad = k.grad = v.grad = None
+        if backend == "cudnn" or (backend == "auto" and torch.cuda.get_device_capability()[0] == 9):
+            assert "cudnn" in kernels, kernels[:400]
+        if backend == "flash":
+            assert "cudnn" not in kernels and "flash" in kernels, kernels[:400]
+    for a, b in zip(outs["cudnn"], outs["flash"]):  # output and the three gradients, to bf16's precision
+        assert (a - b).norm() <= 1e-2 * b.norm()
+    compiled = torch.compile(CausalSDPA("cudnn"), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v).float(), outs["cudnn"][0], atol=3e-2, rtol=3e-2)

@@ -261,3 +261,22 @@ def test_norm_and_swiglu_trace_under_torch_compile():
     _, grads_ref = _grads(fn, torch.tensor(1.0), x, w1, w3)
     for g, g_ref in zip(grads, grads_ref):
         torch.testing.assert_close(g, g_ref)
+
+
+def test_sdpa_backends_agree_and_trace_whole():
+    from lowbit.models.llama import CausalSDPA, sdpa_order
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 32, 16, requires_grad=True) for _ in range(3))
+    assert sdpa_order("auto", q) is None  # torch's own order off Hopper
+    ref = CausalSDPA("auto")(q, k, v)
+    for backend in ("math", "flash"):
+        out = CausalSDPA(backend)(q, k, v)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # the kernel choice is a context dynamo traces, not a graph break
+    compiled = torch.compile(CausalSDPA("math"), backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, v), ref, atol=1e-5, rtol=1e-5)
+    with pytest.raises(LowbitError, match="CUDA only"):
+        CausalSDPA("cudnn")(q, k, v)
+    with pytest.raises(LowbitError, match="not one of"):
+        CausalSDPA("fast")

@@ -57,6 +57,9 @@ def check_layout(cfg, args) -> None:
     if p.cp > 1 and args.attention != "sdpa":
         raise LowbitError(f"parallel.cp: context parallelism computes exact attention; model.attention "
                           f"{args.attention} is not supported with it")
+    if p.cp > 1 and args.sdpa_backend != "auto":
+        raise LowbitError(f"model.sdpa_backend ({args.sdpa_backend}): context parallelism (parallel.cp) computes "
+                          f"attention with its own kernels; leave it auto")
     if p.pp > args.n_layers:
         raise LowbitError(f"parallel.pp ({p.pp}) is larger than the number of blocks ({args.n_layers})")
     replicas = p.dp * p.dp_shard

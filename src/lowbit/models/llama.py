@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lowbit.errors import LowbitError
@@ -47,6 +48,7 @@ class ModelArgs:
     tie_embeddings: bool = False
     init_std: float = 0.02
     attention: str = "sdpa"
+    sdpa_backend: str = "auto"
     performer_features: int | None = None  # None: default_features(head_dim)
     performer_chunk: int = 256
     performer_redraw: int = 1000
@@ -151,11 +153,38 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+SDPA_BACKENDS = {"cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
+                 "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+
+
+def sdpa_order(backend: str, q: torch.Tensor) -> list[SDPBackend] | None:
+    """The SDPA kernels to allow, first choice first; None: torch's own order (FlashAttention-2 first). auto: on
+    Hopper (sm90) cuDNN's attention first, whose kernels use that GPU's tensor-memory instructions where
+    FlashAttention-2 does not; torch's order elsewhere, where cuDNN is not faster. A named one: that one only."""
+    if backend == "auto":
+        hopper = q.is_cuda and torch.cuda.get_device_properties(q.device).major == 9
+        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                SDPBackend.MATH] if hopper else None
+    if backend in ("cudnn", "efficient") and not q.is_cuda:
+        raise LowbitError(f"model.sdpa_backend={backend} runs on CUDA only, not on {q.device.type}")
+    return [SDPA_BACKENDS[backend]]
+
+
 class CausalSDPA(nn.Module):
     """Exact causal attention: flash / memory-efficient kernels skip masked blocks and store no attention weights."""
 
+    def __init__(self, backend: str = "auto"):
+        super().__init__()
+        if backend != "auto" and backend not in SDPA_BACKENDS:
+            raise LowbitError(f"model.sdpa_backend: {backend!r} is not one of auto, {', '.join(SDPA_BACKENDS)}")
+        self.backend = backend
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions=None) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        order = sdpa_order(self.backend, q)
+        if order is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        with sdpa_kernel(order, set_priority=True):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
 class Attention(nn.Module):
@@ -170,7 +199,7 @@ class Attention(nn.Module):
         self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
         self.core = Performer(a.head_dim, a.performer_features or default_features(a.head_dim),
-                              a.performer_chunk) if a.attention == "performer" else CausalSDPA()
+                              a.performer_chunk) if a.attention == "performer" else CausalSDPA(a.sdpa_backend)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
         B, L, _ = x.shape

@@ -44,7 +44,7 @@ from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, pl
                                   truncate_after, warn)
 
 # Model args that may differ on resume: how the same function is computed, not which.
-RESUMABLE_CHANGES = ("checkpointing", "init_std", "performer_chunk", "performer_redraw")
+RESUMABLE_CHANGES = ("checkpointing", "init_std", "performer_chunk", "performer_redraw", "sdpa_backend")
 
 
 def resolve_device(name: str) -> torch.device:
@@ -196,6 +196,8 @@ def train(cfg: Config) -> dict:
     precision = optim_precision(cfg)
     device = local_device(resolve_device(cfg.run.device))
     dtype = compute_dtype(t.dtype, device)
+    if device.type != "cuda" and cfg.model.sdpa_backend in ("cudnn", "efficient"):
+        raise LowbitError(f"model.sdpa_backend: {cfg.model.sdpa_backend} runs on CUDA only, not on {device}")
     mesh = init_mesh(cfg.parallel, device)
     lead = mesh.rank == 0
     say = print if lead else (lambda *a, **k: None)

@@ -140,10 +140,14 @@ def maybe_compile(module, compiled: bool):
 
 # ---- variants of a module: bf16 (as built), each lowbit recipe, each torchao float8 recipe --------------------------
 
+STEP_SETTINGS = ("--optim.", "--model.checkpointing=", "--model.sdpa_backend=")  # how the step computes, not what
+
+
 def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) -> list[str]:
     """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
     a user error. `variants`: an entry may be RECIPE+section.key=value (as in `lowbit compare`), the trainer's
-    config with those [optim] settings (`bench step`)."""
+    config with those settings (`bench step`: optim.*, and how
+    the preset's model computes: model.checkpointing, model.sdpa_backend)."""
     from lowbit.tools.compare import split_entry
     from lowbit.train.config import load_config
 
@@ -152,8 +156,9 @@ def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) ->
         base, overrides = split_entry(n)
         if overrides and not variants:
             raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step`")
-        if any(not o.startswith("--optim.") for o in overrides):  # the only settings the step takes from a config
-            raise LowbitError(f"bench: --recipes: {n!r}: a variant sets optim.* keys only")
+        if any(not o.startswith(STEP_SETTINGS) for o in overrides):  # the only settings the step takes from a config
+            raise LowbitError(f"bench: --recipes: {n!r}: a variant sets only optim.* keys, model.checkpointing and "
+                              "model.sdpa_backend")
         load_config(None, ["--recipe", base, *overrides])  # a bad recipe or setting fails here, before anything runs
     return (["bf16"] if baseline else []) + [n for n in out if n != "bf16"]
 

@@ -4,6 +4,7 @@ MFU from the model's FLOPs/token, peak memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -25,6 +26,7 @@ def build(args, v, device: torch.device):
     recipe_name, overrides = split_entry(v.recipe) if v.impl == "lowbit" else ("bf16", [])
     cfg = load_config(None, ["--recipe", recipe_name, *overrides])
     torch.manual_seed(0)
+    args = dataclasses.replace(args, checkpointing=cfg.model.checkpointing, sdpa_backend=cfg.model.sdpa_backend)
     model = Llama(args).to(device)
     recipe = get_recipe(recipe_name)
     convert(model, recipe)
