@@ -89,11 +89,11 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
       --torchao tensorwise --compile-scope blocks --profile ;;
   s18)  # next: the 7B MLP beside torchao again, and the quantization timed back to back (its kernels' time)
     part mlp2 "${MLP_S:-200}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
-  s20)  # cuDNN attention (model.sdpa_backend auto: cuDNN first on Hopper) against FlashAttention-2 (flash), bf16 and
-        # fp8-tensorwise at `1b` beside torchao (s10: attention kernels 34.7 of bf16's 228.5 ms); its GPU test first
+  s20)  # the one-reduction current scale (session 14) at `1b` beside torchao; then FlashAttention-2 against torch's
+        # choice (cuDNN's on an H200), bf16; the sdpa GPU test first
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k sdpa 2>&1 | tail -n 4
-    part sdpa_1b "${SDPA_S:-330}" step --steps 20 --warmup 3 --torchao tensorwise --compile-scope blocks --profile \
-      --recipes bf16,bf16+model.sdpa_backend=flash,fp8-tensorwise,fp8-tensorwise+model.sdpa_backend=flash ;;
+    part onered_1b "${RATIO_S:-280}" step --steps 20 --warmup 3 --torchao tensorwise --compile-scope blocks --profile \
+      --recipes bf16,fp8-tensorwise,fp8-delayed,bf16+model.sdpa_backend=flash ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile

@@ -76,14 +76,14 @@ def test_bad_amax_is_counted_and_keeps_the_state_scale(bad):
         assert state.scale.item() == before and state.skipped.item() == 1
         if spec.strategy == "delayed":
             assert used == before
-        else:  # current: the scale of the finite values (448 / 0.5; 1 if all are 0), whatever came before
-            assert used == (896.0 if bad else 1.0) and ScalingState(spec).scales_for(x, update=False) == used
+        else:  # current: 1, whatever came before
+            assert used == 1.0 and ScalingState(spec).scales_for(x, update=False) == used
 
 
-def test_current_scale_of_finite_values_per_row():
-    x = torch.tensor([[math.inf, 2.0], [math.nan, math.nan], [1.0, -4.0]])
+def test_current_scale_of_a_bad_row_is_1_and_the_others_their_own():
+    x = torch.tensor([[math.inf, 2.0], [math.nan, math.nan], [0.0, 0.0], [1.0, -4.0]])
     used = ScalingState(Scaling("e4m3", "row")).scales_for(x, update=False)
-    assert used.flatten().tolist() == [224.0, 1.0, 112.0]
+    assert used.flatten().tolist() == [1.0, 1.0, 1.0, 112.0]
 
 
 def test_bad_amaxes_per_group_get_the_fallback_and_good_ones_a_finite_scale():

@@ -17,10 +17,9 @@ with no history yet, uses its own amax.
 
 scale = 2^-margin * fmt.max / amax, optionally rounded down to a power of two; `q = cast(x * scale)`.
 An amax that is 0, NaN or Inf is counted. A delayed scale then keeps the previous one. A current scale of an input
-or a weight comes from the tensor's finite values (1 if none is non-zero): it depends on the tensor alone, so
-linears that read one input (q, k, v) cast it identically and torch.compile merges their casts and saved copies.
-(The output gradient's current cast, in backward, keeps the previous scale, tensor granularity: no two linears
-share a gradient.)
+or a weight is then 1: it depends on the tensor alone, so linears that read one input (q, k, v) cast it
+identically and torch.compile merges their casts and saved copies. (The output gradient's current cast, in
+backward, keeps the previous scale, tensor granularity: no two linears share a gradient.)
 """
 
 from __future__ import annotations
@@ -91,12 +90,7 @@ class Scaling:
 def group_amax(x: torch.Tensor, s: Scaling) -> torch.Tensor:
     """amax of each scaling group of a 2-D tensor, shaped to broadcast against the *padded* tiles:
     [] (tensor), [M, 1] (row), [1, K] (column), [ceil(M/r), ceil(K/c)] (block, mx)."""
-    return _group_max(x.detach().abs(), s)
-
-
-def _group_max(a: torch.Tensor, s: Scaling) -> torch.Tensor:
-    """group_amax of a tensor already made non-negative (a max is one of its inputs, exact in its dtype: fp32 only
-    after the reduction)."""
+    a = x.detach().abs()  # a max is one of its inputs, exact in x's dtype: fp32 only after the reduction
     g = s.granularity
     if g == "tensor":
         return a.amax().float()
@@ -153,17 +147,15 @@ def scale_from_amax(amax: torch.Tensor, s: Scaling, fallback: torch.Tensor | flo
 
 
 def current_scale(x: torch.Tensor, s: Scaling, group=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Current scaling of `x`: (scale, amax, bad), from `x` alone (and the shards of it in `group`). A group with a
-    bad amax (0, NaN, Inf) is cast with the scale of its finite values: Inf saturates to ±max, NaN stays NaN, the
-    rest keeps its precision. No state is read, so two linears fed one tensor compute the same cast, which
-    torch.compile's common-subexpression pass then does once (and saves once for backward)."""
-    a = x.detach().abs()
-    amax = _group_max(a, s)
-    finite = _group_max(a.nan_to_num_(0.0, 0.0, 0.0), s)  # compiled, both maxima come from one pass over x
+    """Current scaling of `x`: (scale, amax, bad), from `x` alone (and the shards of it in `group`), in one
+    reduction over `x`. A group with a bad amax (0, NaN, Inf) is cast with scale 1: Inf saturates to ±max, NaN
+    stays NaN. No state is read, so two linears fed one tensor compute the same cast, which torch.compile's
+    common-subexpression pass then does once (and saves once for backward)."""
+    amax = group_amax(x, s)
     if group is not None:
-        amax, finite = all_max(torch.stack([amax, finite]), group).unbind()
-    scale, _ = scale_from_amax(finite, s)
-    return scale, amax, is_bad(amax)
+        amax = all_max(amax, group)
+    scale, bad = scale_from_amax(amax, s)
+    return scale, amax, bad
 
 
 class ScalingState(nn.Module):

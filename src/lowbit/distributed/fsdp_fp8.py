@@ -91,8 +91,8 @@ class FP8GatherWeight(torch.Tensor):
             amax = local.detach().abs().amax().float() if local.numel() else torch.zeros((), device=local.device)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=mesh.get_group())
         state = module.scaling["weight"]
-        # A bad amax keeps the state's last good scale (one collective, no finite-values amax): a weight holding
-        # NaN/Inf or only zeros is cast differently from scaling.current_scale's, every other weight the same.
+        # A bad amax keeps the state's last good scale where scaling.current_scale uses 1: a weight holding NaN/Inf
+        # or only zeros is cast differently, every other weight the same.
         scale, bad = scale_from_amax(amax, s, fallback=state.scale)
         q = cast(local, scale, s)
         rows = -(-outer_size[0] // mesh.size())  # FSDP2 sends every shard padded to the largest one's rows

@@ -42,8 +42,7 @@ class ModelConfig:
     tie_embeddings: bool | None = opt(None, "share input embedding and output head weights (preset)")
     init_std: float = opt(0.02, "std of the normal init; residual projections get std/sqrt(2*n_layers)")
     attention: str = opt("sdpa", "attention backend: sdpa (exact, flash) | performer (FAVOR+, linear in length)")
-    sdpa_backend: str = opt("auto", "sdpa kernel: auto (cuDNN first on Hopper, else torch's order) | cudnn | flash "
-                                    "| efficient | math")
+    sdpa_backend: str = opt("auto", "sdpa kernel: auto (torch's choice) | cudnn | flash | efficient | math")
     performer_features: int | None = opt(None, "performer random features M; unset: round(d ln d), d the head dim")
     performer_chunk: int = opt(256, "performer causal chunk: positions per masked block (256 was fastest on an H200)")
     performer_redraw: int = opt(1000, "redraw performer features every N steps (saved in checkpoints); 0: never")
