@@ -89,11 +89,13 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
       --torchao tensorwise --compile-scope blocks --profile ;;
   s18)  # next: the 7B MLP beside torchao again, and the quantization timed back to back (its kernels' time)
     part mlp2 "${MLP_S:-200}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
-  s20)  # the one-reduction current scale (session 14) at `1b` beside torchao; then FlashAttention-2 against torch's
-        # choice (cuDNN's on an H200), bf16; the sdpa GPU test first
+  s20)  # session 14's two fixes at `1b` beside torchao: the current scale in one reduction, and compiled linears
+        # keeping their inputs (cast again in backward) instead of FP8 copies; bf16 with FlashAttention-2 beside
+        # torch's choice (cuDNN on an H200); then the 7B MLP and the quantization. The sdpa GPU test first.
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k sdpa 2>&1 | tail -n 4
-    part onered_1b "${RATIO_S:-280}" step --steps 20 --warmup 3 --torchao tensorwise --compile-scope blocks --profile \
-      --recipes bf16,fp8-tensorwise,fp8-delayed,bf16+model.sdpa_backend=flash ;;
+    part fixes_1b "${RATIO_S:-300}" step --steps 20 --warmup 3 --torchao tensorwise --compile-scope blocks --profile \
+      --recipes bf16,fp8-tensorwise,fp8-delayed,bf16+model.sdpa_backend=flash
+    part mlp3 "${MLP_S:-120}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile
