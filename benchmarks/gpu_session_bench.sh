@@ -92,7 +92,7 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
   s20)  # session 14's two fixes at `1b` beside torchao: the current scale in one reduction, and compiled linears
         # keeping their inputs (cast again in backward) instead of FP8 copies; bf16 with FlashAttention-2 beside
         # torch's choice (cuDNN on an H200); then the 7B MLP and the quantization. The sdpa GPU test first.
-    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k sdpa 2>&1 | tail -n 4
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "sdpa or keeping_their_inputs" 2>&1 | tail -n 6
     part fixes_1b "${RATIO_S:-300}" step --steps 20 --warmup 3 --torchao tensorwise --compile-scope blocks --profile \
       --recipes bf16,fp8-tensorwise,fp8-delayed,bf16+model.sdpa_backend=flash
     part mlp3 "${MLP_S:-120}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;

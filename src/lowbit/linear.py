@@ -21,7 +21,7 @@ from torch import nn
 
 from lowbit.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
 from lowbit.gemm import scaled_matmul
-from lowbit.qtensor import QTensor, quantize
+from lowbit.qtensor import QTensor, cast, quantize
 from lowbit.scaling import Scaling, ScalingState, all_max, expand_groups, group_amax, scale_from_amax
 
 OPERANDS = ("input", "weight", "grad_output")
@@ -94,8 +94,13 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         if telemetry_layer is not None:
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
-        # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element
-        ctx.save_for_backward(qx.data, qx.scale_inv, weight, go_scale, go_updates, qw.scale_inv, occ_idx, occ_val)
+        # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element.
+        # Compiled, the input itself is kept and cast again in backward (the scale saved): torch.compile's
+        # partitioner then recomputes it from what other ops keep anyway (a norm's input, SwiGLU's w1/w3 outputs)
+        # instead of keeping a transposed FP8 copy per input. Eager, the FP8 copy is what is kept.
+        ctx.hp = torch.compiler.is_compiling() and occ_idx is None
+        ctx.save_for_backward(x2 if ctx.hp else qx.data, scale_x if ctx.hp else qx.scale_inv, weight, go_scale,
+                              go_updates, qw.scale_inv, occ_idx, occ_val)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
         ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, go_sink is not None, telemetry_layer, go_group
@@ -104,10 +109,12 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        qx_data, qx_scale_inv, weight, go_scale, go_updates, w_scale_inv, occ_idx, occ_val = ctx.saved_tensors
+        kept, kept_scale, weight, go_scale, go_updates, w_scale_inv, occ_idx, occ_val = ctx.saved_tensors
         r = ctx.recipe
         g = r.grad_output
-        qx = QTensor(qx_data, qx_scale_inv, r.input)
+        # the forward's FP8 input, made again from the kept input where that was kept (the same cast)
+        qx = QTensor(cast(kept, kept_scale, r.input), kept_scale.reciprocal(), r.input) if ctx.hp \
+            else QTensor(kept, kept_scale, r.input)
         dy2 = dy.reshape(-1, dy.shape[-1])
         with torch.autocast(dy.device.type, enabled=False):
             amax = group_amax(dy2, g)
@@ -127,7 +134,13 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dw = (dy2.t() @ qx.dequantize(dy.dtype)).to(weight.dtype)
             else:
                 dyt = qdy.t() if r.grad_output.granularity == "tensor" else quantize(dy2.t(), r.grad_output)
-                xt = qx.t() if r.input.granularity == "tensor" else quantize(qx.dequantize().t(), r.input)
+                if r.input.granularity != "tensor":
+                    xt = quantize(qx.dequantize().t(), r.input)
+                elif ctx.hp:  # a cast of its own (not the forward's, transposed), so the partitioner does not
+                    # make it in forward and keep it
+                    xt = QTensor(cast(kept.t(), kept_scale, r.input), qx.scale_inv, r.input)
+                else:
+                    xt = qx.t()
                 dw = scaled_matmul(dyt, xt, weight.dtype)
             if r.dge is not None:  # DGE: dL/dW = dL/dWq · f'(W scaled onto the grid)
                 scaled = weight.float() / expand_groups(w_scale_inv.float(), r.weight, weight.shape)
