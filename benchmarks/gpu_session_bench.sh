@@ -96,6 +96,10 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
     part fixes_1b "${RATIO_S:-300}" step --steps 20 --warmup 3 --torchao tensorwise --compile-scope blocks --profile \
       --recipes bf16,fp8-tensorwise,fp8-delayed,bf16+model.sdpa_backend=flash
     part mlp3 "${MLP_S:-120}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
+  s21)  # the GPU tests of the compiled linears keeping their inputs (s20's first tolerance was wrong), and every
+        # recipe compiled on the GPU
+    timeout "${TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
+      -k "keeping_their_inputs or every_recipe_runs_compiled or sdpa" 2>&1 | tail -n 30 ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile
