@@ -5,10 +5,11 @@
     wgrad  dW = dyᵀ · x     grad_output (E5M2) x input (E4M3), or in high precision (`wgrad_hp`)
 
 Each operand is quantized with the recipe's Scaling for it, along the reduction dimension of the GEMM it enters.
-What is saved for backward is the quantized input (1 byte/element for FP8), not the high-precision one. Where the
-backward needs an operand scaled along another dimension: the weight is re-quantized from the parameter (kept
-anyway); the input, whose high-precision copy is gone, is re-quantized from its dequantized value (tensor
-granularity needs neither: the transpose keeps the scale).
+Eagerly, what is saved for backward is the quantized input (1 byte/element for FP8), not the high-precision one;
+compiled, a tensorwise input is saved as it came and cast again in backward, which lets the compiler recompute it
+instead of keeping it (`_keeps_input`). Where the backward needs an operand scaled along another dimension: the
+weight is re-quantized from the parameter (kept anyway); the input, whose high-precision copy is gone, is
+re-quantized from its dequantized value (tensor granularity needs neither: the transpose keeps the scale).
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ def _in_backward() -> bool:
     if torch.compiler.is_compiling():
         return False
     return torch._C._current_graph_task_id() != -1
+
+
+def _keeps_input(r: LinearRecipe, clamped: bool) -> bool:
+    """Whether backward gets the input itself (cast again there with the saved scale) instead of its FP8 copy.
+    Compiled, with one scale per tensor: torch.compile's partitioner then recomputes the input from what other ops
+    keep anyway (a norm's input, SwiGLU's w1/w3 outputs) instead of keeping a transposed FP8 copy per input.
+    Eager, the FP8 copy is kept. Not with OCC (its clamped input is made from the input) nor other granularities
+    (backward quantizes their input along another dimension, from the FP8 copy as eagerly)."""
+    return torch.compiler.is_compiling() and not clamped and r.input.granularity == "tensor"
 
 
 def _stats(x: torch.Tensor, q: QTensor) -> dict[str, float]:
@@ -95,10 +105,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
         # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element.
-        # Compiled, the input itself is kept and cast again in backward (the scale saved): torch.compile's
-        # partitioner then recomputes it from what other ops keep anyway (a norm's input, SwiGLU's w1/w3 outputs)
-        # instead of keeping a transposed FP8 copy per input. Eager, the FP8 copy is what is kept.
-        ctx.hp = torch.compiler.is_compiling() and occ_idx is None
+        ctx.hp = _keeps_input(r, occ_idx is not None)
         ctx.save_for_backward(x2 if ctx.hp else qx.data, scale_x if ctx.hp else qx.scale_inv, weight, go_scale,
                               go_updates, qw.scale_inv, occ_idx, occ_val)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
