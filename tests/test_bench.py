@@ -150,7 +150,8 @@ def test_bench_step_profile_times_the_phases(tmp_path, capsys):
     rows = json.loads(out.read_text())["tables"]["profile"]["rows"]
     assert [r["variant"] for r in rows] == ["bf16", "lowbit fp8-tensorwise"]
     for r in rows:
-        assert all(r[f"{p}_ms"] > 0 for p in ("forward", "backward", "optimizer")), r
+        assert all(r[f"{p}_ms"] > 0 and r[f"host_{p}_ms"] > 0 for p in ("forward", "backward", "optimizer")), r
+        assert r["host_wait_ms"] >= 0
 
 
 def test_profile_kernel_kinds_and_idle_union():

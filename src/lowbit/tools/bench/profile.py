@@ -29,7 +29,10 @@ def kind(kernel_name: str) -> str:
 
 def phase_ms(forward, backward, optimizer, device: torch.device, iters: int) -> dict:
     """Median ms of each phase over `iters` steps: CUDA events between the phases on a GPU (they run in stream
-    order, so each interval is that phase's GPU time plus any wait for its launches); wall clock on the CPU."""
+    order, so each interval is that phase's GPU time plus any wait for its launches); wall clock on the CPU.
+    Also the host's own time to issue each phase (`host_<phase>_ms`) and its wait for the GPU at the step's end
+    (`host_wait_ms`): a phase whose host time reaches its GPU time, with little wait left, is host-bound (or
+    syncs)."""
     cuda = device.type == "cuda"
 
     def mark():
@@ -39,19 +42,29 @@ def phase_ms(forward, backward, optimizer, device: torch.device, iters: int) -> 
         event.record()
         return event
 
-    times = {p: [] for p in PHASES}
+    times = {p: [] for p in (*PHASES, *(f"host_{p}" for p in PHASES), "host_wait")}
+    marks, host = [], []
+
+    def tick():
+        marks.append(mark())
+        host.append(time.perf_counter())
+
     for _ in range(iters):
-        marks = [mark()]
+        marks.clear()
+        host.clear()
+        tick()
         loss = forward()
-        marks.append(mark())
+        tick()
         backward(loss)
-        marks.append(mark())
+        tick()
         optimizer()
-        marks.append(mark())
+        tick()
         if cuda:
             torch.cuda.synchronize(device)
-        for p, a, b in zip(PHASES, marks, marks[1:]):
+        times["host_wait"].append((time.perf_counter() - host[-1]) * 1e3)
+        for p, a, b, ha, hb in zip(PHASES, marks, marks[1:], host, host[1:]):
             times[p].append(a.elapsed_time(b) if cuda else (b - a) * 1e3)
+            times[f"host_{p}"].append((hb - ha) * 1e3)
     return {f"{p}_ms": statistics.median(v) for p, v in times.items()}
 
 
@@ -106,4 +119,5 @@ def columns(device: torch.device) -> list[tuple[str, str, str]]:
     if device.type == "cuda":
         out += [(f"{k}_ms", f"{k} kernels ms", ".1f") for k, _ in KINDS]
         out += [("idle_ms", "GPU idle ms", ".1f"), ("kernels", "kernels", "d")]
+        out += [(f"host_{p}_ms", f"{p} host ms", ".1f") for p in PHASES] + [("host_wait_ms", "host waits ms", ".1f")]
     return out
