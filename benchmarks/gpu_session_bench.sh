@@ -101,10 +101,11 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
     timeout "${TEST_S:-420}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
       -k "keeping_their_inputs or every_recipe_runs_compiled or sdpa" 2>&1 | tail -n 30 ;;
   s22)  # next (session 15, not run: no device time): the GPU tests of s21, then where lowbit's 13 ms of GPU idle
-        # per `1b` step come from (s20: torchao 1.9 ms): the host's time to issue each phase beside the GPU's
+        # per `1b` step come from (s20: torchao 1.9 ms): the host's time to issue each phase beside the GPU's;
+        # fp8-delayed after its amaxes moved from the forward graph to the batched record after backward
     timeout "${TEST_S:-300}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
       -k "keeping_their_inputs or sdpa or profile" 2>&1 | tail -n 30
-    part host_1b "${RATIO_S:-240}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise --torchao tensorwise \
+    part host_1b "${RATIO_S:-300}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise,fp8-delayed --torchao tensorwise \
       --compile-scope blocks --profile ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \

@@ -198,17 +198,3 @@ def test_bench_step_variant_computes_attention_with_its_kernel(tmp_path, capsys,
     assert code == 0
     assert seen == {"math"}
 
-
-def test_bench_step_refuses_compiled_recomputation_of_delayed_scales(tmp_path, capsys):
-    """A compiled step with activation checkpointing would recompute fp8-delayed's casts with moved-on scales (see
-    config.check_recompute): that variant's row is the error, the eager one runs."""
-    out = tmp_path / "step.json"
-    variant = "fp8-delayed+model.checkpointing=full"
-    for mode in ("--compile", "--eager"):
-        code, _, _ = cli(capsys, "bench", "step", *FAST, *SHAPES["step"], "--torchao", "none", "--no-bf16",
-                         "--recipes", variant, mode, "--out", out)
-        row = json.loads(out.read_text())["tables"]["step"]["rows"][0]
-        if mode == "--compile":
-            assert "model.checkpointing (full) with train.compile" in row["error"], row
-        else:
-            assert "error" not in row and row["ms"] > 0, row

@@ -423,6 +423,20 @@ def test_pipeline_parallel_matches_single_process(single_untied, tmp_path, name,
             torch.testing.assert_close(_weights_after_training(run)[k], v, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_with_delayed_scaling_matches_single_process(single_untied, tmp_path, schedule):
+    """Delayed scales move on once per step, after every micro-batch (scaling.reports_held): a pipeline, whose
+    schedule runs several forwards before their backwards, casts each micro-batch as one process does."""
+    delayed = [*UNTIED, "--recipe", "fp8-delayed"]
+    base_dir = tmp_path / "base"
+    assert cli_main(["train", *SMALL, *STEPS, *delayed, "--run.dir", str(base_dir)]) == 0
+    run = run_layout(tmp_path, schedule, 2, [*delayed, "--parallel.pp", "2", "--parallel.pp_schedule", schedule],
+                     single_untied[1])
+    base, got = losses(base_dir), losses(run)
+    assert base.keys() == got.keys()
+    assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
+
+
 def test_pipeline_checkpoint_resumes_in_one_process(single_untied, tmp_path):
     base_dir, cache = single_untied
     run = tmp_path / "pp-then-one"

@@ -24,6 +24,7 @@ backward, keeps the previous scale, tensor granularity: no two linears share a g
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 from dataclasses import dataclass
@@ -176,9 +177,6 @@ class ScalingState(nn.Module):
         self.register_buffer("amax_history", torch.zeros(s.history if s.strategy == "delayed" else 1))
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
         self.register_buffer("skipped", torch.zeros((), dtype=torch.int64))
-        # The scale the last recording cast used, so that a forward replayed by activation checkpointing casts
-        # exactly as the original did (a delayed scale has moved on by then). Not checkpointed: it lives one step.
-        self.register_buffer("last_used", torch.ones(()), persistent=False)
         self.sink(self.scale.device)
 
     def extra_repr(self) -> str:
@@ -187,30 +185,37 @@ class ScalingState(nn.Module):
         return f"{s.fmt}, {s.granularity}, {s.strategy}{extra}, margin={s.margin}"
 
     @torch.no_grad()
-    def scales_for(self, x: torch.Tensor, update: bool, replay: bool = False) -> torch.Tensor:
-        """The scale(s) to cast `x` with, in group_amax's layout; records the amax when `update`. `replay`: the
-        forward is being recomputed in backward; a delayed scale is then the one the original forward used."""
+    def scales_for(self, x: torch.Tensor, update: bool) -> torch.Tensor:
+        """The scale(s) to cast `x` with, in group_amax's layout; records the amax when `update`."""
+        scale, report = self.cast_scale(x, update)
+        if update and report is not None:
+            self.record(report[0])
+        return scale
+
+    @torch.no_grad()
+    def cast_scale(self, x: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(scale, report): the scale(s) to cast `x` with and, for a delayed strategy, the report [amax, 0] to
+        record later, when `update`, as the gradient of `sink` at the end of the backward pass. Until then the
+        scale stays the one this forward read, so that a forward recomputed by activation checkpointing (eager or
+        compiled, where a replay cannot be told apart) casts the same. A current scale is recorded now: it
+        depends on `x` alone."""
         s = self.spec
-        if replay and s.strategy == "delayed":
-            return self.last_used  # no new op: selective checkpointing replays ops by count
         if s.strategy == "current":
             scale, amax, bad = current_scale(x, s, self.amax_group)
             if update:  # the state's own scale keeps its last good value
                 kept = torch.where(bad, self.scale, scale) if s.granularity == "tensor" else None
                 self.observe(amax, bad.sum(), kept)
-            return scale
+            return scale, None
         amax = group_amax(x, s)
         if self.amax_group is not None:
             amax = all_max(amax, self.amax_group)
-        # delayed: cast with the scale derived from past steps, then fold this amax into the history. With no
-        # history yet (the first step), cast with the current amax instead of TransformerEngine's initial scale
-        # of 1, which flushes nearly every gradient of the first step to zero.
+        # delayed: cast with the scale derived from past steps; the amax joins the history later. With no history
+        # yet (the first step), cast with the current amax instead of TransformerEngine's initial scale of 1,
+        # which flushes nearly every gradient of the first step to zero.
         current, _ = scale_from_amax(amax, s, fallback=self.scale)
         scale = torch.where(self.updates == 0, current, self.scale)
-        if update:
-            self.last_used.copy_(scale)
-            self.record(amax)
-        return scale
+        amax = amax.reshape(1).float()
+        return scale, torch.cat([amax, torch.zeros_like(amax)])
 
     def observe(self, amax: torch.Tensor, bad_groups: torch.Tensor, scale: torch.Tensor | None = None) -> None:
         """Account for one cast: `amax` (tensor granularity), how many groups had a bad amax, and the scale that
@@ -220,8 +225,9 @@ class ScalingState(nn.Module):
                     scale.reshape(1) if tensor and scale is not None else None)
 
     def sink(self, device: torch.device) -> torch.Tensor:
-        """A leaf tensor through which a backward pass reports what it cast: the autograd Function returns
-        [amax, bad groups] as this tensor's gradient, and a hook queues it once autograd has accumulated it,
+        """A leaf tensor through which a backward pass reports what it cast (the output gradient) or what its
+        forward cast (a delayed input or weight): the autograd Function returns [amax, bad groups] as this
+        tensor's gradient, and a hook queues it once autograd has accumulated it,
         for `record_reports` at the end of the backward pass. The backward itself stays free of side effects, so
         torch.compile keeps it in one graph. (Made with the module and on every move: a compiled region cannot
         create a tensor that requires grad.)"""
@@ -247,7 +253,8 @@ class ScalingState(nn.Module):
         # the sum (too large: a smaller scale, never an overflow). lowbit's models run each layer once.
         g, sink.grad = sink.grad, None
         _REPORTS.append((self, g))
-        at_backward_end(record_reports)
+        if not _HELD[0]:
+            at_backward_end(record_reports)
 
     def record(self, amax: torch.Tensor) -> None:
         """Delayed scaling: push `amax` into the window (see `record_all`)."""
@@ -258,6 +265,21 @@ class ScalingState(nn.Module):
 # is about 25 small kernels, and launching them eagerly for every linear starved the GPU (fp8lm at 1b: 100 ms of
 # a 285 ms step idle). Batched, a step's reports cost a few dozen launches per distinct Scaling.
 _REPORTS: list[tuple[ScalingState, torch.Tensor]] = []
+_HELD = [0]  # depth of `reports_held` blocks
+
+
+@contextlib.contextmanager
+def reports_held():
+    """Within: backward reports wait for the end of the block, then are recorded (the trainer's step: every
+    micro-batch, in whatever order a pipeline schedule runs their forwards and backwards). Every micro-batch of
+    the step then casts with the scales the step began with, so a pipeline computes what one process does."""
+    _HELD[0] += 1
+    try:
+        yield
+    finally:
+        _HELD[0] -= 1
+        if not _HELD[0]:
+            record_reports()
 
 
 @torch.no_grad()

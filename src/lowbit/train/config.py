@@ -373,7 +373,6 @@ def validate(cfg: Config) -> None:
     with_dge(recipe, cfg.numerics.dge_k, cfg.numerics.dge_clamp)  # raises naming the key if the recipe has no DGE
     if recipe.needs_grad_clip and not t.grad_clip:
         raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
-    check_recompute(recipe, cfg.model.checkpointing, t.compile)
     if cfg.model.attention != "sdpa" and cfg.model.sdpa_backend != "auto":
         raise LowbitError(f"model.sdpa_backend ({cfg.model.sdpa_backend}): model.attention is "
                           f"{cfg.model.attention}, which runs no SDPA kernel")
@@ -382,19 +381,6 @@ def validate(cfg: Config) -> None:
     args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
     from lowbit.distributed.mesh import check_layout
     check_layout(cfg, args)
-
-
-def check_recompute(recipe, checkpointing: str, compiled: bool) -> None:
-    """Refuses delayed scaling under compiled activation checkpointing. A compiled block recomputes its casts in
-    backward from the scale buffers, which the forward has moved on by then: the recomputed input differs from the
-    one the forward used, and the weight gradients are wrong from the second step (eagerly, a replayed forward
-    casts with the scale it used, `ScalingState.scales_for`)."""
-    lin = recipe.linear
-    if compiled and checkpointing != "none" and lin is not None and "delayed" in (lin.input.strategy,
-                                                                                    lin.weight.strategy):
-        raise LowbitError(f"model.checkpointing ({checkpointing}) with train.compile: recipe {recipe.name}'s "
-                          "delayed scales would be recomputed moved on (wrong gradients); set "
-                          "model.checkpointing none or train.compile false")
 
 
 def optim_precision(cfg: Config):

@@ -37,6 +37,7 @@ from lowbit.linear import LowPrecisionLinear
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
 from lowbit.recipes import convert, covered_linears, get_recipe, with_dge, with_filters
+from lowbit.scaling import reports_held
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.compile import compile_model, eager
 from lowbit.train.config import Config, optim_precision, to_dict, to_toml
@@ -394,16 +395,17 @@ def train(cfg: Config) -> dict:
                 zero.bytes_sent = 0
             if positions is not None:  # this rank's shard of every sequence (parallel.cp_layout)
                 x, y = x[:, positions.cpu()], y[:, positions.cpu()]
-            if pipe is not None:  # the schedule runs every micro-batch through every stage, backward included
-                with autocast(), run_mode():
-                    loss_sum = pipeline.run(pipe[0], stage, x.to(device), y.to(device))
-            for xm, ym in zip(*((x.split(micro), y.split(micro)) if pipe is None else ((), ()))):
-                with autocast(), run_mode():
-                    loss = step_fn(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
-                                   positions=positions)
-                with run_mode():
-                    (loss / n_micro).backward()
-                loss_sum += loss.detach()
+            with reports_held():  # the scaling states move on once per step, after every micro-batch
+                if pipe is not None:  # the schedule runs every micro-batch through every stage, backward included
+                    with autocast(), run_mode():
+                        loss_sum = pipeline.run(pipe[0], stage, x.to(device), y.to(device))
+                for xm, ym in zip(*((x.split(micro), y.split(micro)) if pipe is None else ((), ()))):
+                    with autocast(), run_mode():
+                        loss = step_fn(xm.to(device, non_blocking=True), ym.to(device, non_blocking=True),
+                                       positions=positions)
+                    with run_mode():
+                        (loss / n_micro).backward()
+                    loss_sum += loss.detach()
             for layer in lp_layers.values():
                 layer.telemetry_armed = False
             if cfg.parallel.sequence_parallel:

@@ -15,12 +15,12 @@ from lowbit.tools.bench.common import (Report, Table, error_row, release, sync, 
 from lowbit.train.compile import compile_model
 
 
-def build(args, v, device: torch.device, compiled: bool = False):
+def build(args, v, device: torch.device):
     """Model of ModelArgs `args` (converted as the variant says) and the trainer's optimizer for it."""
     from lowbit.models.llama import Llama
     from lowbit.recipes import convert, get_recipe
     from lowbit.tools.compare import split_entry
-    from lowbit.train.config import check_recompute, load_config, optim_precision
+    from lowbit.train.config import load_config, optim_precision
     from lowbit.train.trainer import build_optimizer
 
     recipe_name, overrides = split_entry(v.recipe) if v.impl == "lowbit" else ("bf16", [])
@@ -29,7 +29,6 @@ def build(args, v, device: torch.device, compiled: bool = False):
     args = dataclasses.replace(args, checkpointing=cfg.model.checkpointing, sdpa_backend=cfg.model.sdpa_backend)
     model = Llama(args).to(device)
     recipe = get_recipe(recipe_name)
-    check_recompute(recipe, cfg.model.checkpointing, compiled)
     convert(model, recipe)
     if v.impl == "torchao":
         model = torchao_convert(model, v.recipe)
@@ -69,7 +68,7 @@ def run_step(a, device: torch.device, report: Report) -> None:
         profiling = False  # an error from here on is the profile's, not the step's
         model = opt = None
         try:
-            model, opt = build(a.model_args, v, device, a.compile)
+            model, opt = build(a.model_args, v, device)
             fwd = compile_model(model, a.compile_scope) if a.compile else model
 
             def forward():
