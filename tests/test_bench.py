@@ -197,4 +197,3 @@ def test_bench_step_variant_computes_attention_with_its_kernel(tmp_path, capsys,
                      "--recipes", "fp8-tensorwise+model.sdpa_backend=math", "--out", tmp_path / "step.json")
     assert code == 0
     assert seen == {"math"}
-

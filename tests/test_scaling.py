@@ -215,3 +215,28 @@ def test_reports_left_by_a_raising_backward_are_recorded_in_order_with_the_next(
     assert st.updates.item() == 2 and st.skipped.item() == 1
     for name, buf in ref.state_dict().items():
         torch.testing.assert_close(st.state_dict()[name], buf, rtol=0, atol=0, equal_nan=True)
+
+
+def test_held_reports_wait_for_the_outermost_block_then_are_recorded_in_order():
+    """Within `reports_held`, backward passes leave their reports queued; the outermost block's exit records them,
+    in order, as if each pass had recorded its own (the trainer's step over micro-batches)."""
+    import copy
+
+    from lowbit.scaling import reports_held
+
+    st = ScalingState(Scaling("e4m3", strategy="delayed", history=4))
+    ref = copy.deepcopy(st)
+    sink = st.sink(torch.device("cpu"))
+    reports = [torch.tensor([2.0, 0.0]), torch.tensor([8.0, 0.0]), torch.tensor([4.0, 0.0])]
+    with reports_held():
+        with reports_held():
+            (sink * reports[0]).sum().backward()
+        assert st.updates.item() == 0  # an inner block's exit records nothing
+        for r in reports[1:]:
+            (sink * r).sum().backward()
+            assert st.updates.item() == 0 and st.scale.item() == 1
+    for r in reports:
+        ref.observe(r[0], r[1])
+    assert st.updates.item() == 3
+    for name, buf in ref.state_dict().items():
+        torch.testing.assert_close(st.state_dict()[name], buf, rtol=0, atol=0)

@@ -186,7 +186,8 @@ class ScalingState(nn.Module):
 
     @torch.no_grad()
     def scales_for(self, x: torch.Tensor, update: bool) -> torch.Tensor:
-        """The scale(s) to cast `x` with, in group_amax's layout; records the amax when `update`."""
+        """The scale(s) to cast `x` with, in group_amax's layout; records the amax now when `update` (for a
+        standalone cast, `qtensor.quantize`; LowPrecisionLinear reports a delayed amax after backward instead)."""
         scale, report = self.cast_scale(x, update)
         if update and report is not None:
             self.record(report[0])
@@ -228,7 +229,8 @@ class ScalingState(nn.Module):
         """A leaf tensor through which a backward pass reports what it cast (the output gradient) or what its
         forward cast (a delayed input or weight): the autograd Function returns [amax, bad groups] as this
         tensor's gradient, and a hook queues it once autograd has accumulated it,
-        for `record_reports` at the end of the backward pass. The backward itself stays free of side effects, so
+        for `record_reports` at the end of the backward pass (a backward that does not accumulate into it,
+        `torch.autograd.grad`, reports nothing). The backward itself stays free of side effects, so
         torch.compile keeps it in one graph. (Made with the module and on every move: a compiled region cannot
         create a tensor that requires grad.)"""
         sink = self.__dict__.get("_sink")
@@ -285,7 +287,7 @@ def reports_held():
 @torch.no_grad()
 def record_reports() -> None:
     """Record the backward reports waiting in `_REPORTS`, batched per (Scaling, device). Runs when the backward
-    pass that made them ends (a pass that raised leaves its reports to the next one's end); call it to record them
+    pass that made them ends, or when `reports_held` exits (a pass that raised leaves its reports to the next one's end); call it to record them
     earlier."""
     reports = list(_REPORTS)
     _REPORTS.clear()

@@ -63,6 +63,7 @@ def build_schedule(module: StageModule, stage: int, pp: int, device, group, n_mi
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     st = PipelineStage(module, stage, pp, device, group=group)
+    # Not zero-bubble schedules: they split backward by `inputs=`, which skips the scaling states' report sinks
     return (ScheduleGPipe if kind == "gpipe" else Schedule1F1B)(st, n_micro, loss_fn=loss_fn)
 
 

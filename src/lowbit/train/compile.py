@@ -22,9 +22,10 @@ from lowbit.train.config import COMPILE_SCOPES as SCOPES
 def compile_model(model, scope: str = "blocks", **options):
     """The callable to run `model` through: compiled whole (`model`), or `model` itself with its blocks and
     head compiled (`blocks`). `options` go to torch.compile (backend, mode, ...)."""
-    # A checkpointed block's forward updates scaling state that its recomputation must not replay (a replayed
-    # forward records nothing, linear.py); dynamo refuses such side effects inside the checkpoint (a graph
-    # break: the block would run eagerly) unless told to keep them to the forward. A global dynamo setting.
+    # A checkpointed block's forward updates current scaling states (delayed ones are only read: their amaxes
+    # are recorded after backward), which its recomputation must not replay; dynamo refuses such side effects
+    # inside the checkpoint (a graph break: the block would run eagerly) unless told to keep them to the
+    # forward. A global dynamo setting.
     if hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
         torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     if scope == "model":

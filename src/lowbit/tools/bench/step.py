@@ -9,6 +9,7 @@ import time
 
 import torch
 
+from lowbit.scaling import reports_held
 from lowbit.tools.bench import profile
 from lowbit.tools.bench.common import (Report, Table, error_row, release, sync, time_ms,
                                        torchao_convert, variants)
@@ -80,8 +81,12 @@ def run_step(a, device: torch.device, report: Report) -> None:
                 opt.step()
                 opt.zero_grad(set_to_none=True)
 
+            def backward(loss):
+                with reports_held():  # the scaling reports recorded after backward, as the trainer's step does
+                    loss.backward()
+
             def step():
-                forward().backward()
+                backward(forward())
                 optimizer()
 
             t0 = time.perf_counter()
@@ -103,7 +108,7 @@ def run_step(a, device: torch.device, report: Report) -> None:
             if prof:
                 profiling = True
                 prow["step_ms"] = row["ms"]
-                prow.update(profile.phase_ms(forward, torch.Tensor.backward, optimizer, device, a.steps))
+                prow.update(profile.phase_ms(forward, backward, optimizer, device, a.steps))
                 prow.update(profile.kernel_ms(step, device))
                 if "busy_ms" in prow:
                     prow["idle_ms"] = profile.idle(row["ms"], prow["busy_ms"])
