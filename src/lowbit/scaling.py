@@ -287,8 +287,8 @@ def reports_held():
 @torch.no_grad()
 def record_reports() -> None:
     """Record the backward reports waiting in `_REPORTS`, batched per (Scaling, device). Runs when the backward
-    pass that made them ends, or when `reports_held` exits (a pass that raised leaves its reports to the next one's end); call it to record them
-    earlier."""
+    pass that made them ends, or when `reports_held` exits (a pass that raised leaves its reports to the next
+    one's end); call it to record them earlier."""
     reports = list(_REPORTS)
     _REPORTS.clear()
     while reports:  # in rounds, a state at most once per round (twice: a backward that raised left one), in order
