@@ -107,6 +107,14 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
       -k "keeping_their_inputs or sdpa or profile" 2>&1 | tail -n 30
     part host_1b "${RATIO_S:-300}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise,fp8-delayed --torchao tensorwise \
       --compile-scope blocks --profile ;;
+  s23)  # session 16: one report sink per layer, and current casts reported after backward too (a compiled block's
+        # forward graph: 26 inputs and 51 outputs, was 89 and 108): s22 again (forward host 59.9 ms vs torchao
+        # 28.9 ms), the 7B MLP, then the GPU tests of the compiled recipes
+    part sink_1b "${RATIO_S:-260}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise,fp8-delayed --torchao tensorwise \
+      --compile-scope blocks --profile
+    part mlp4 "${MLP_S:-110}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
+    timeout "${TEST_S:-180}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
+      -k "keeping_their_inputs or every_recipe_runs_compiled" 2>&1 | tail -n 30 ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile

@@ -90,12 +90,14 @@ def test_quantized_input_is_what_backward_keeps():
 
 def test_nan_and_inf_inputs():
     """Defined behaviour: a tensor holding Inf is cast with scale 1, Inf saturating to ±max (counted); NaN
-    propagates to the output, where the trainer's non-finite check stops the run."""
+    propagates to the output, where the trainer's non-finite check stops the run. (Casts are recorded after
+    backward.)"""
     layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
-    layer(torch.randn(8, 64))
+    layer(torch.randn(8, 64)).sum().backward()
     x = torch.randn(8, 64)
     x[0, 0] = math.inf
     y = layer(x)
+    y.sum().backward()
     assert torch.isfinite(y).all() and layer.scaling["input"].skipped.item() == 1
     saturated = x.clone()
     saturated[0, 0] = 448.0

@@ -9,7 +9,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.linear import LinearRecipe, LowPrecisionLinear
 from lowbit.qtensor import quantize
-from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+from lowbit.scaling import OperandStates, Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
 
 E4M3_MAX = 448.0
 
@@ -156,8 +156,8 @@ def test_state_survives_state_dict_round_trip():
 
 
 def test_a_copied_layer_records_its_own_backward():
-    """The gradient sink's hook belongs to one state; a deep copy gets a fresh sink whose hook records into the
-    copy (before, the copied sink had no hook and the copy's output-gradient state never moved)."""
+    """The gradient sink's hook belongs to one layer's states; a deep copy gets a fresh sink whose hook records
+    into the copy (before, the copied sink had no hook and the copy's output-gradient state never moved)."""
     import copy
 
     from lowbit.recipes import get_recipe
@@ -177,13 +177,13 @@ def test_backward_reports_are_recorded_together_as_one_at_a_time(spec):
     come out as recording each report on its own does, bad amaxes included."""
     import copy
 
-    states = [ScalingState(spec) for _ in range(3)]
+    layer = OperandStates({name: ScalingState(spec) for name in "abc"})
+    states = list(layer.values())
     refs = copy.deepcopy(states)
     amaxes = [[2.0, 0.5, 8.0], [4.0, 0.0, 1.0], [float("nan"), 3.0, 0.25], [1.0, 2.0, float("inf")], [0.5, 6, 7]]
     for step, amax in enumerate(amaxes):
         reports = [torch.tensor([a, float(step % 2)]) for a in amax]
-        loss = sum((st.sink(torch.device("cpu")) * r).sum() for st, r in zip(states, reports))
-        loss.backward()  # the reports are each sink's gradient
+        (layer.sink(torch.device("cpu")) * torch.stack(reports)).sum().backward()  # the reports are its gradient
         for ref, r in zip(refs, reports):
             ref.observe(r[0], r[1])
         for st, ref in zip(states, refs):
@@ -204,13 +204,13 @@ def test_reports_left_by_a_raising_backward_are_recorded_in_order_with_the_next(
 
     st = ScalingState(Scaling("e5m2", strategy="delayed", history=4))
     ref = copy.deepcopy(st)
-    sink = st.sink(torch.device("cpu"))
-    first, second = torch.tensor([float("nan"), 0.0]), torch.tensor([3.0, 0.0])
+    sink = OperandStates({"grad_output": st}).sink(torch.device("cpu"))
+    first, second = torch.tensor([[float("nan"), 0.0]]), torch.tensor([[3.0, 0.0]])
     loss = RaiseInBackward.apply(torch.ones(1, requires_grad=True)).sum() + (sink * first).sum()
     with pytest.raises(RuntimeError, match="raised in backward"):
         loss.backward()
     (sink * second).sum().backward()
-    for r in (first, second):
+    for r in (first[0], second[0]):
         ref.observe(r[0], r[1])
     assert st.updates.item() == 2 and st.skipped.item() == 1
     for name, buf in ref.state_dict().items():
@@ -226,8 +226,8 @@ def test_held_reports_wait_for_the_outermost_block_then_are_recorded_in_order():
 
     st = ScalingState(Scaling("e4m3", strategy="delayed", history=4))
     ref = copy.deepcopy(st)
-    sink = st.sink(torch.device("cpu"))
-    reports = [torch.tensor([2.0, 0.0]), torch.tensor([8.0, 0.0]), torch.tensor([4.0, 0.0])]
+    sink = OperandStates({"input": st}).sink(torch.device("cpu"))
+    reports = [torch.tensor([[2.0, 0.0]]), torch.tensor([[8.0, 0.0]]), torch.tensor([[4.0, 0.0]])]
     with reports_held():
         with reports_held():
             (sink * reports[0]).sum().backward()
@@ -236,7 +236,7 @@ def test_held_reports_wait_for_the_outermost_block_then_are_recorded_in_order():
             (sink * r).sum().backward()
             assert st.updates.item() == 0 and st.scale.item() == 1
     for r in reports:
-        ref.observe(r[0], r[1])
+        ref.observe(r[0, 0], r[0, 1])
     assert st.updates.item() == 3
     for name, buf in ref.state_dict().items():
         torch.testing.assert_close(st.state_dict()[name], buf, rtol=0, atol=0)

@@ -23,7 +23,8 @@ from torch import nn
 from lowbit.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
 from lowbit.gemm import scaled_matmul
 from lowbit.qtensor import QTensor, cast, quantize
-from lowbit.scaling import Scaling, ScalingState, all_max, expand_groups, group_amax, scale_from_amax
+from lowbit.scaling import (OperandStates, Scaling, ScalingState, all_max, expand_groups, group_amax, report,
+                            scale_from_amax)
 
 OPERANDS = ("input", "weight", "grad_output")
 
@@ -80,16 +81,15 @@ def _stats(x: torch.Tensor, q: QTensor) -> dict[str, float]:
 
 
 class _LowPrecisionMatmul(torch.autograd.Function):
-    """The three GEMMs. The input and weight scales arrive computed (a current state is updated outside, where
-    torch.compile allows it; a delayed one's amax arrives as `x_report`/`w_report` and goes out as the gradient
-    of its sink, recorded after backward: ScalingState.cast_scale). The output-gradient scale is chosen in
-    backward from the state's scale and update count (read, never written) and dy's amax; what backward saw goes
-    out as the gradient of `go_sink`, which the state records outside the graph (ScalingState.sink)."""
+    """The three GEMMs. The input and weight scales arrive computed, with the reports of those casts (`reports`,
+    [2, 2]: ScalingState.cast_scale). The output-gradient scale is chosen in backward from the state's scale and,
+    delayed, its update count (read, never written) and dy's amax. When the forward records (`sink` given), the
+    three reports go out as the gradient of `sink`, which the layer's states record outside the graph after the
+    backward pass (OperandStates)."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_updates, go_sink,
-                telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None,
-                x_sink=None, x_report=None, w_sink=None, w_report=None):
+    def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_updates, sink, reports,
+                telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
@@ -109,18 +109,16 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element.
         ctx.hp = _keeps_input(r, occ_idx is not None)
         ctx.save_for_backward(x2 if ctx.hp else qx.data, scale_x if ctx.hp else qx.scale_inv, weight, go_scale,
-                              go_updates, qw.scale_inv, occ_idx, occ_val, x_report, w_report)
+                              go_updates, qw.scale_inv, occ_idx, occ_val, reports)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
-        ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, go_sink is not None, telemetry_layer, go_group
-        ctx.forward_reports = x_sink is not None, w_sink is not None
+        ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, sink is not None, telemetry_layer, go_group
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        kept, kept_scale, weight, go_scale, go_updates, w_scale_inv, occ_idx, occ_val, x_report, w_report = \
-            ctx.saved_tensors
+        kept, kept_scale, weight, go_scale, go_updates, w_scale_inv, occ_idx, occ_val, reports = ctx.saved_tensors
         r = ctx.recipe
         g = r.grad_output
         # the forward's FP8 input, made again from the kept input where that was kept (the same cast)
@@ -161,15 +159,13 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dw = dw + (dy2.t() @ delta).to(dw.dtype)
             elif occ_idx is not None:
                 dw = dw + occ_wgrad(occ_idx, occ_val, dy2, weight.shape[1]).t().to(dw.dtype)
-        seen = torch.stack([amax if g.granularity == "tensor" else amax.new_zeros(()), bad.sum().float()]) \
+        seen = torch.cat([reports, report(amax if g.granularity == "tensor" else None, bad)[None]]) \
             if ctx.report else None
-        report_x, report_w = ctx.forward_reports
-        return (dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None, None,
-                x_report if report_x else None, None, w_report if report_w else None, None)
+        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None, None, None
 
 
-def _scaling_states(recipe: LinearRecipe, device) -> nn.ModuleDict:
-    return nn.ModuleDict({name: ScalingState(getattr(recipe, name)) for name in OPERANDS}).to(device)
+def _scaling_states(recipe: LinearRecipe, device) -> OperandStates:
+    return OperandStates({name: ScalingState(getattr(recipe, name)) for name in OPERANDS}).to(device)
 
 
 class LowPrecisionLinear(nn.Linear):
@@ -193,29 +189,27 @@ class LowPrecisionLinear(nn.Linear):
         return new
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # activation checkpointing recomputing this forward: its casts were recorded already
+        # not when activation checkpointing recomputes this forward: the original's backward reports its casts
         update = self.training and torch.is_grad_enabled() and not _in_backward()
         r, st = self.recipe, self.scaling
         x2, idx, val = x.reshape(-1, x.shape[-1]), None, None
         if r.occ is not None and r.occ.alpha < 1:  # clamp outliers; straight-through for x, the residual is
             x2, idx, val = occ_split(x2.detach(), r.occ)  # compensated in the Function (α = 1 clamps nothing)
-        scale_x, report_x = st["input"].cast_scale(x2, update)
-        report_w = None
-        if hasattr(self.weight, "quantized"):  # FP8 all-gather (FSDP2): cast before the gather, record it here
+        scale_x, report_x = st["input"].cast_scale(x2)
+        if hasattr(self.weight, "quantized"):  # FP8 all-gather (FSDP2): cast before the gather, reported here
             scale_w = self.weight._scale_inv.reciprocal()
-            if update:
-                st["weight"].observe(self.weight._amax, self.weight._bad.sum())
+            report_w = report(self.weight._amax, self.weight._bad)
         else:
-            scale_w, report_w = st["weight"].cast_scale(self.weight, update)
+            scale_w, report_w = st["weight"].cast_scale(self.weight)
         go = st["grad_output"]
-        # a delayed state's report goes out through its sink when this forward records; kept either way, so that
-        # a forward recomputed by activation checkpointing saves as many tensors as the original
-        sink = lambda name, report: st[name].sink(x.device) if update and report is not None else None  # noqa: E731
-        # Copies: the state may move on before this backward runs (another micro-batch's backward, a pipeline)
-        y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(), go.updates.clone(),
-                                      go.sink(x.device) if update else None, self if self.telemetry_armed else None,
-                                      x2 if idx is not None else None, idx, val, go.amax_group,
-                                      sink("input", report_x), report_x, sink("weight", report_w), report_w)
+        # Copies: the state may move on before this backward runs (another micro-batch's backward, a pipeline).
+        # The reports are saved either way, so that a forward recomputed by activation checkpointing (which does
+        # not record) saves as many tensors as the original.
+        y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(),
+                                      go.updates.clone() if go.spec.strategy == "delayed" else None,
+                                      st.sink(x.device) if update else None, torch.stack([report_x, report_w]),
+                                      self if self.telemetry_armed else None, x2 if idx is not None else None, idx,
+                                      val, go.amax_group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -164,7 +164,7 @@ class ScalingState(nn.Module):
 
     scale        delayed: the scale of the next cast; current: the last good one (the fallback of the output
                  gradient's cast and of FSDP's FP8 weight gather)
-    amax_history most recent first (delayed)
+    amax_history most recent first (delayed); the last amax (current)
     updates      how many amaxes were recorded
     skipped      how many bad amaxes (0, NaN, Inf) were seen
     """
@@ -177,7 +177,6 @@ class ScalingState(nn.Module):
         self.register_buffer("amax_history", torch.zeros(s.history if s.strategy == "delayed" else 1))
         self.register_buffer("updates", torch.zeros((), dtype=torch.int64))
         self.register_buffer("skipped", torch.zeros((), dtype=torch.int64))
-        self.sink(self.scale.device)
 
     def extra_repr(self) -> str:
         s = self.spec
@@ -186,87 +185,97 @@ class ScalingState(nn.Module):
 
     @torch.no_grad()
     def scales_for(self, x: torch.Tensor, update: bool) -> torch.Tensor:
-        """The scale(s) to cast `x` with, in group_amax's layout; records the amax now when `update` (for a
-        standalone cast, `qtensor.quantize`; LowPrecisionLinear reports a delayed amax after backward instead)."""
-        scale, report = self.cast_scale(x, update)
-        if update and report is not None:
-            self.record(report[0])
+        """The scale(s) to cast `x` with, in group_amax's layout; records the cast now when `update` (a
+        standalone cast, `qtensor.quantize`; LowPrecisionLinear reports its casts after backward instead)."""
+        scale, report = self.cast_scale(x)
+        if update:
+            self.observe(report[0], report[1])
         return scale
 
     @torch.no_grad()
-    def cast_scale(self, x: torch.Tensor, update: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(scale, report): the scale(s) to cast `x` with and, for a delayed strategy, the report [amax, 0] to
-        record later, when `update`, as the gradient of `sink` at the end of the backward pass. Until then the
-        scale stays the one this forward read, so that a forward recomputed by activation checkpointing (eager or
-        compiled, where a replay cannot be told apart) casts the same. A current scale is recorded now: it
-        depends on `x` alone."""
+    def cast_scale(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(scale, report): the scale(s) to cast `x` with, and [amax (tensor granularity; else 0), bad groups] to
+        record (`observe`) later: LowPrecisionLinear returns it at the end of the backward pass, through its
+        sink (`OperandStates`). The state is only read here, and a current scale not even that: it depends on `x`
+        alone (`current_scale`), so a compiled forward takes no state of it and writes none. Until the report
+        is recorded, a delayed scale stays the one this forward read, so that a forward recomputed by activation
+        checkpointing (eager or compiled, where a replay cannot be told apart) casts the same."""
         s = self.spec
         if s.strategy == "current":
             scale, amax, bad = current_scale(x, s, self.amax_group)
-            if update:  # the state's own scale keeps its last good value
-                kept = torch.where(bad, self.scale, scale) if s.granularity == "tensor" else None
-                self.observe(amax, bad.sum(), kept)
-            return scale, None
-        amax = group_amax(x, s)
-        if self.amax_group is not None:
-            amax = all_max(amax, self.amax_group)
-        # delayed: cast with the scale derived from past steps; the amax joins the history later. With no history
-        # yet (the first step), cast with the current amax instead of TransformerEngine's initial scale of 1,
-        # which flushes nearly every gradient of the first step to zero.
-        current, _ = scale_from_amax(amax, s, fallback=self.scale)
-        scale = torch.where(self.updates == 0, current, self.scale)
-        amax = amax.reshape(1).float()
-        return scale, torch.cat([amax, torch.zeros_like(amax)])
+        else:
+            amax = group_amax(x, s)
+            if self.amax_group is not None:
+                amax = all_max(amax, self.amax_group)
+            # delayed: cast with the scale derived from past steps; the amax joins the history later. With no
+            # history yet (the first step), cast with the current amax instead of TransformerEngine's initial
+            # scale of 1, which flushes nearly every gradient of the first step to zero.
+            current, bad = scale_from_amax(amax, s, fallback=self.scale)
+            scale = torch.where(self.updates == 0, current, self.scale)
+        return scale, report(amax if s.granularity == "tensor" else None, bad)
 
-    def observe(self, amax: torch.Tensor, bad_groups: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        """Account for one cast: `amax` (tensor granularity), how many groups had a bad amax, and the scale that
-        amax gives with this state's fallback, if the caller has it already."""
+    def observe(self, amax: torch.Tensor, bad_groups: torch.Tensor) -> None:
+        """Record one cast: `amax` (tensor granularity) and how many groups had a bad amax. Delayed: the amax
+        joins the window (`record_all`); current: the scale it gives (or the last good one) is kept."""
         tensor = self.spec.granularity == "tensor"  # amax and scale are recorded for one scale per tensor only
-        observe_all([self], amax.reshape(1) if tensor else None, bad_groups.reshape(1),
-                    scale.reshape(1) if tensor and scale is not None else None)
+        observe_all([self], amax.reshape(1) if tensor else None, bad_groups.reshape(1))
+
+
+def report(amax: torch.Tensor | None, bad: torch.Tensor) -> torch.Tensor:
+    """[amax, bad groups] of one cast, as fp32 (amax 0 where there is no one amax per tensor)."""
+    bad = bad.sum().float().reshape(1)
+    return torch.cat([amax.float().reshape(1) if amax is not None else torch.zeros_like(bad), bad])
+
+
+class OperandStates(nn.ModuleDict):
+    """The ScalingStates of one linear's operands (input, weight, grad_output), and the sink through which one
+    backward reports what its layer cast, all three at once: the autograd Function returns their reports, a
+    [3, 2] tensor, as the sink's gradient, and a hook queues it once autograd has accumulated it, for
+    `record_reports` at the end of the backward pass (a backward that does not accumulate into it,
+    `torch.autograd.grad`, reports nothing). The forward and backward themselves stay free of side effects, so
+    torch.compile keeps each in one graph, with no state of a current cast among its inputs or outputs. (One
+    sink per layer, not per operand: each sink is a gradient the compiled backward returns and a hook the engine
+    calls; with two more per layer, fp8-delayed's backward took the H200's host 26 ms more than fp8-tensorwise's
+    at `1b`, session 16.)"""
+
+    def __init__(self, states: dict[str, ScalingState]):
+        super().__init__(states)
+        self.sink(next(iter(states.values())).scale.device)
 
     def sink(self, device: torch.device) -> torch.Tensor:
-        """A leaf tensor through which a backward pass reports what it cast (the output gradient) or what its
-        forward cast (a delayed input or weight): the autograd Function returns [amax, bad groups] as this
-        tensor's gradient, and a hook queues it once autograd has accumulated it,
-        for `record_reports` at the end of the backward pass (a backward that does not accumulate into it,
-        `torch.autograd.grad`, reports nothing). The backward itself stays free of side effects, so
-        torch.compile keeps it in one graph. (Made with the module and on every move: a compiled region cannot
-        create a tensor that requires grad.)"""
+        """The leaf tensor whose gradient carries this layer's reports. (Made with the module and on every move:
+        a compiled region cannot create a tensor that requires grad.)"""
         sink = self.__dict__.get("_sink")
         if sink is None or sink.device != torch.device(device):
-            sink = torch.zeros(2, device=device, requires_grad=True)
+            sink = torch.zeros(len(self), 2, device=device, requires_grad=True)
             sink.register_post_accumulate_grad_hook(self._observed)
             self.__dict__["_sink"] = sink
         return sink
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
-        self.sink(self.scale.device)
+        if len(self):
+            self.sink(next(iter(self.values())).scale.device)
         return out
 
     def __getstate__(self):
         state = super().__getstate__()
-        state.pop("_sink", None)  # its hook records into this state: a copy makes its own on first use
+        state.pop("_sink", None)  # its hook records into these states: a copy makes its own on first use
         return state
 
     def _observed(self, sink: torch.Tensor) -> None:
         # A layer run n times in one backward gets its n reports summed by autograd: the amax recorded is then
         # the sum (too large: a smaller scale, never an overflow). lowbit's models run each layer once.
         g, sink.grad = sink.grad, None
-        _REPORTS.append((self, g))
+        _REPORTS.extend(zip(self.values(), g.unbind()))
         if not _HELD[0]:
             at_backward_end(record_reports)
-
-    def record(self, amax: torch.Tensor) -> None:
-        """Delayed scaling: push `amax` into the window (see `record_all`)."""
-        record_all([self], amax.reshape(1))
 
 
 # Backward reports wait here for the end of their backward pass, then are recorded together: one state's record
 # is about 25 small kernels, and launching them eagerly for every linear starved the GPU (fp8lm at 1b: 100 ms of
 # a 285 ms step idle). Batched, a step's reports cost a few dozen launches per distinct Scaling.
-_REPORTS: list[tuple[ScalingState, torch.Tensor]] = []
+_REPORTS: list[tuple[ScalingState, torch.Tensor]] = []  # (state, [amax, bad groups])
 _HELD = [0]  # depth of `reports_held` blocks
 
 
@@ -306,17 +315,15 @@ def record_reports() -> None:
 
 
 @torch.no_grad()
-def observe_all(states: list[ScalingState], amax: torch.Tensor | None, bad_groups: torch.Tensor,
-                scale: torch.Tensor | None = None) -> None:
-    """`ScalingState.observe` for distinct states of one Scaling at once: amax, bad_groups (and scale) hold one
-    value per state; amax and scale matter for tensor granularity only."""
+def observe_all(states: list[ScalingState], amax: torch.Tensor | None, bad_groups: torch.Tensor) -> None:
+    """`ScalingState.observe` for distinct states of one Scaling at once: amax and bad_groups hold one value per
+    state; amax matters for tensor granularity only."""
     s = states[0].spec
     if s.strategy == "delayed":
         record_all(states, amax)
         return
     if s.granularity == "tensor":
-        if scale is None:
-            scale, _ = scale_from_amax(amax, s, fallback=torch.stack([st.scale for st in states]))
+        scale, _ = scale_from_amax(amax, s, fallback=torch.stack([st.scale for st in states]))
         torch._foreach_copy_([st.scale for st in states], list(scale.unbind()))
         torch._foreach_copy_([st.amax_history[:1] for st in states], list(amax.reshape(-1, 1).unbind()))
     torch._foreach_add_([st.updates for st in states], 1)
