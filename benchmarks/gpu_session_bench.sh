@@ -115,6 +115,20 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
     part mlp4 "${MLP_S:-110}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
     timeout "${TEST_S:-180}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
       -k "keeping_their_inputs or every_recipe_runs_compiled" 2>&1 | tail -n 30 ;;
+  s24)  # session 16: the Triton kernels of the eager path (amax in one read, the cast in one pass, quantize in
+        # three launches) checked bit for bit against the torch formulas, then the quantization timed beside the
+        # compiled formula (s20: 0.101 ms back to back; goal 0.085) and the 7B MLP
+    timeout "${TEST_S:-150}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton" 2>&1 | tail -n 30
+    part mlp5 "${MLP_S:-150}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise ;;
+  s25)  # session 16 (s23 and s24 together, after s23 failed: the Triton path had been reached from inside
+        # AOTAutograd's trace, on fake tensors): the Triton kernels' checks first, then s23's step and MLP with the
+        # quantization, then the compiled recipes' and the optimizer CUDA graphs' GPU tests
+    timeout 90 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton" 2>&1 | tail -n 12
+    part sink_1b "${RATIO_S:-250}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise,fp8-delayed --torchao tensorwise \
+      --compile-scope blocks --profile
+    part mlp5 "${MLP_S:-110}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
+    timeout "${TEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
+      -k "keeping_their_inputs or every_recipe_runs_compiled or cuda_graphs" 2>&1 | tail -n 20 ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile

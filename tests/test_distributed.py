@@ -440,9 +440,10 @@ def test_pipeline_with_delayed_scaling_matches_single_process(single_untied, tmp
     assert len(states) > 20 and all(want[k].ne(0).any() for k in states if k.endswith("updates"))
     for k in states:  # every amax recorded, in order, and every scale moved as in one process
         # except that the schedule backpropagates each micro-batch's loss unscaled (one process: loss / 4), so
-        # output gradients are 4x theirs: amaxes 4x, scales / 4 (a power of two: the same FP8 values)
+        # output gradients are 4x theirs: amaxes 4x, scales / 4 (a power of two: the same FP8 values). (fp32 sums
+        # in another order: one output-gradient amax was seen 2e-5 apart; a misordered record is 10% or more.)
         factor = {"grad_output.amax_history": 0.25, "grad_output.scale": 4.0}.get(".".join(k.split(".")[-2:]), 1.0)
-        torch.testing.assert_close(have[k].double() * factor, want[k].double(), rtol=1e-5, atol=0, msg=k)
+        torch.testing.assert_close(have[k].double() * factor, want[k].double(), rtol=1e-4, atol=0, msg=k)
 
 
 def test_pipeline_checkpoint_resumes_in_one_process(single_untied, tmp_path):

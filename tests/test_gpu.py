@@ -318,3 +318,40 @@ def test_compiled_linears_keeping_their_inputs_match_eager_on_gpu(recipe):
     for n, g in ref.items():
         err_eager, err_compiled = ((t[n] - g).norm() / g.norm() for t in (eager, compiled))
         assert err_compiled <= 2 * err_eager + 0.02, (n, err_compiled.item(), err_eager.item())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["plain", "inf", "nan", "zeros", "tiny", "odd size"])
+def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype):
+    """The eager GPU path's Triton kernels (amax, cast, fused quantize) against the torch formulas run on the
+    CPU (on the GPU those formulas now call the kernels)."""
+    import math
+
+    from lowbit import kernels
+    from lowbit.qtensor import QTensor, cast, quantize
+    from lowbit.scaling import Scaling, group_amax, scale_from_amax
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    s = Scaling(fmt)
+    x = torch.randn(1000, 4097 if case == "odd size" else 4096) * 3
+    x[5, 7] = math.inf if case == "inf" else x[5, 7]
+    x[9, 1] = math.nan if case == "nan" else x[9, 1]
+    x = x.zero_() if case == "zeros" else x * 1e-42 if case == "tiny" else x
+    x = x.to(dtype)
+    amax = group_amax(x, s)  # the CPU formula
+    scale, _ = scale_from_amax(amax, s)
+    ref = QTensor(cast(x, scale, s), scale.reciprocal(), s)
+    xg = x.cuda()
+    assert kernels.usable(xg)
+    torch.testing.assert_close(group_amax(xg, s).cpu(), amax, rtol=0, atol=0, equal_nan=True)
+
+    def same(a, b):  # the same bytes, NaNs aside (their bit patterns may differ)
+        a, nan = a.cpu(), b.float().isnan()
+        return torch.equal(a.float().isnan(), nan) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+
+    assert same(cast(xg, scale.cuda(), s), ref.data)
+    q = quantize(xg, s)  # the fused kernels
+    assert same(q.data, ref.data) and torch.equal(q.scale_inv.cpu(), ref.scale_inv)

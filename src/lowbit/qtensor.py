@@ -10,7 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lowbit import kernels
 from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+
+
+FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 @dataclass
@@ -38,6 +42,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = Fa
          generator: torch.Generator | None = None) -> torch.Tensor:
     """x * scale onto the format's grid: round to nearest even (or stochastically), saturating at ±max."""
     fmt = s.format
+    if s.granularity == "tensor" and fmt.torch_dtype in FP8 and not stochastic and kernels.usable(x):
+        return kernels.cast(x, scale, fmt.max, fmt.torch_dtype)  # eager on a GPU: one pass
     # Row-major data whatever the layout of x (a transposed view in backward): `_scaled_mm` needs it so.
     y = (x.float() * expand_groups(scale, s, x.shape)).contiguous()
     if fmt.torch_dtype is not None and not stochastic:
@@ -48,10 +54,18 @@ def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = Fa
     return q.to(fmt.torch_dtype or torch.float8_e4m3fn)
 
 
+def _fused(x: torch.Tensor, s: Scaling) -> bool:
+    return (s.granularity == "tensor" and s.strategy == "current" and not s.margin and not s.power_of_two
+            and s.format.torch_dtype in FP8 and kernels.usable(x))
+
+
 def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, update: bool = False,
              scale: torch.Tensor | None = None) -> QTensor:
     """Quantize a 2-D tensor (last dimension = the GEMM's reduction dimension) with `scale` if given, else with
     the scale its `state`'s strategy picks (recording this amax when `update`), else by current scaling."""
+    if scale is None and state is None and _fused(x, s):  # eager on a GPU: three launches
+        data, scale_inv = kernels.quantize(x, s.format.max, s.format.torch_dtype)
+        return QTensor(data, scale_inv, s)
     if scale is None:
         scale = state.scales_for(x, update) if state is not None else scale_from_amax(group_amax(x, s), s)[0]
     return QTensor(cast(x, scale, s), scale.reciprocal(), s)

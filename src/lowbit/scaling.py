@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit import kernels
 from lowbit.backward_end import at_backward_end
 from lowbit.errors import LowbitError
 from lowbit.formats import get_format
@@ -91,8 +92,10 @@ class Scaling:
 def group_amax(x: torch.Tensor, s: Scaling) -> torch.Tensor:
     """amax of each scaling group of a 2-D tensor, shaped to broadcast against the *padded* tiles:
     [] (tensor), [M, 1] (row), [1, K] (column), [ceil(M/r), ceil(K/c)] (block, mx)."""
-    a = x.detach().abs()  # a max is one of its inputs, exact in x's dtype: fp32 only after the reduction
     g = s.granularity
+    if g == "tensor" and kernels.usable(x):  # eager on a GPU: one read of x
+        return kernels.amax(x.detach())
+    a = x.detach().abs()  # a max is one of its inputs, exact in x's dtype: fp32 only after the reduction
     if g == "tensor":
         return a.amax().float()
     if g == "row":
