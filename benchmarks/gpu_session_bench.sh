@@ -129,6 +129,13 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
     part mlp5 "${MLP_S:-110}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
     timeout "${TEST_S:-130}" python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf \
       -k "keeping_their_inputs or every_recipe_runs_compiled or cuda_graphs" 2>&1 | tail -n 20 ;;
+  s26)  # session 16, after s25's compiled FP8 rows failed (dynamo, asked about a tensor inside the Triton check, could
+        # not trace the Function's forward; the check now asks is_compiling first): a compiled smoke test with its
+        # traceback, then s23's `1b` step beside torchao
+    timeout 100 python3 benchmarks/compile_smoke.py fp8-tensorwise fp8-delayed > "$OUT/smoke.txt" 2>&1
+    echo "== smoke (exit $?)"; grep -E "ok,|FAILED|Error" "$OUT/smoke.txt" | tail -n 8
+    part sink_1b "${RATIO_S:-280}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise,fp8-delayed --torchao tensorwise \
+      --compile-scope blocks --profile ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile

@@ -25,9 +25,11 @@ def usable(x: torch.Tensor) -> bool:
     """Whether the kernels apply to `x`: a plain tensor (not the fake or functional ones torch.compile traces
     with, also where `is_compiling()` is false: an autograd Function's backward traced by AOTAutograd), on a
     CUDA device with Triton, contiguous, non-empty."""
-    return (triton is not None and type(x) in (torch.Tensor, torch.nn.Parameter) and x.is_cuda
-            and x.is_contiguous() and x.numel() > 0 and x.dtype in (torch.float32, torch.bfloat16, torch.float16)
-            and not torch.compiler.is_compiling())
+    # is_compiling first: dynamo then folds the whole test to False without looking at x (asked about x, it
+    # could not trace an autograd.Function's forward and ran it outside autocast: the q/k/v outputs came out fp32)
+    return (not torch.compiler.is_compiling() and triton is not None and type(x) in (torch.Tensor, torch.nn.Parameter)
+            and x.is_cuda and x.is_contiguous() and x.numel() > 0
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
 
 
 if triton is not None:
@@ -50,14 +52,15 @@ if triton is not None:
     def _cast_kernel(x_ptr, y_ptr, scale_ptr, stats_ptr, scale_inv_ptr, n, FMT_MAX: tl.constexpr,
                      FROM_STATS: tl.constexpr, BLOCK: tl.constexpr):
         # y = fp8(clamp(x * scale, ±max)), NaN kept. FROM_STATS: the scale from _amax_kernel's stats as
-        # scaling.scale_from_amax makes it (fallback 1; fmt.max / amax, IEEE division, at most fp32's max), and
+        # scaling.scale_from_amax makes it (fallback 1; fmt.max / amax, at most fp32's max), and
         # program 0 writes its reciprocal; else the scale is read from scale_ptr.
         pid = tl.program_id(0)
         if FROM_STATS:
             amax = tl.load(stats_ptr)
             bad = (tl.load(stats_ptr + 1) > 0) | (amax <= 0) | (amax > 3.4028234663852886e38)
             one = tl.where(bad, 1.0, amax) * 0.0 + 1.0  # 1.0 as a tensor, for div_rn
-            scale = tl.minimum(tl.math.div_rn(one * FMT_MAX, tl.where(bad, 1.0, amax)), 3.4028234663852886e38)
+            # torch computes `fmt.max / amax` as amax.reciprocal() * fmt.max: two roundings, kept here
+            scale = tl.minimum(tl.math.div_rn(one, tl.where(bad, 1.0, amax)) * FMT_MAX, 3.4028234663852886e38)
             scale = tl.where(bad, 1.0, scale)
             if pid == 0:
                 tl.store(scale_inv_ptr, tl.math.div_rn(one, scale))
