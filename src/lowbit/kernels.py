@@ -10,6 +10,8 @@ CPU without Triton never reaches them.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 try:
@@ -24,12 +26,18 @@ AMAX_BLOCK, AMAX_ITERS, CAST_BLOCK = 4096, 16, 4096
 def usable(x: torch.Tensor) -> bool:
     """Whether the kernels apply to `x`: a plain tensor (not the fake or functional ones torch.compile traces
     with, also where `is_compiling()` is false: an autograd Function's backward traced by AOTAutograd), on a
-    CUDA device with Triton, contiguous, non-empty."""
+    CUDA device with Triton and FP8 (compute capability 8.9 on), contiguous, non-empty."""
     # is_compiling first: dynamo then folds the whole test to False without looking at x (asked about x, it
     # could not trace an autograd.Function's forward and ran it outside autocast: the q/k/v outputs came out fp32)
     return (not torch.compiler.is_compiling() and triton is not None and type(x) in (torch.Tensor, torch.nn.Parameter)
             and x.is_cuda and x.is_contiguous() and x.numel() > 0
-            and x.dtype in (torch.float32, torch.bfloat16, torch.float16))
+            and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _has_fp8(x.device.index))
+
+
+@functools.lru_cache
+def _has_fp8(index: int | None) -> bool:
+    """Triton casts to E4M3 from compute capability 8.9 (Ada, Hopper) on; older GPUs keep the torch formulas."""
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 if triton is not None:
@@ -76,8 +84,9 @@ if triton is not None:
 def _stats(x: torch.Tensor) -> torch.Tensor:
     stats = torch.zeros(2, device=x.device, dtype=torch.float32)
     n = x.numel()
-    _amax_kernel[(triton.cdiv(n, AMAX_BLOCK * AMAX_ITERS),)](x, stats, n, BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS,
-                                                            num_warps=8)
+    with torch.cuda.device(x.device):  # Triton launches on the current device's stream
+        _amax_kernel[(triton.cdiv(n, AMAX_BLOCK * AMAX_ITERS),)](x, stats, n, BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS,
+                                                                num_warps=8)
     return stats
 
 
@@ -92,8 +101,9 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt_max: float, dtype: torch.dtyp
     ±fmt_max, NaN kept (as qtensor.cast)."""
     y = torch.empty(x.shape, device=x.device, dtype=dtype)
     n = x.numel()
-    _cast_kernel[(triton.cdiv(n, CAST_BLOCK),)](x, y, scale.float().reshape(1), scale, scale, n, FMT_MAX=fmt_max,
-                                                FROM_STATS=False, BLOCK=CAST_BLOCK, num_warps=8)
+    with torch.cuda.device(x.device):
+        _cast_kernel[(triton.cdiv(n, CAST_BLOCK),)](x, y, scale.float().reshape(1), scale, scale, n,
+                                                    FMT_MAX=fmt_max, FROM_STATS=False, BLOCK=CAST_BLOCK, num_warps=8)
     return y
 
 
@@ -104,6 +114,7 @@ def quantize(x: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> tuple[torch
     y = torch.empty(x.shape, device=x.device, dtype=dtype)
     scale_inv = torch.empty((), device=x.device, dtype=torch.float32)
     n = x.numel()
-    _cast_kernel[(triton.cdiv(n, CAST_BLOCK),)](x, y, stats, stats, scale_inv, n, FMT_MAX=fmt_max,
-                                                FROM_STATS=True, BLOCK=CAST_BLOCK, num_warps=8)
+    with torch.cuda.device(x.device):
+        _cast_kernel[(triton.cdiv(n, CAST_BLOCK),)](x, y, stats, stats, scale_inv, n, FMT_MAX=fmt_max,
+                                                    FROM_STATS=True, BLOCK=CAST_BLOCK, num_warps=8)
     return y, scale_inv

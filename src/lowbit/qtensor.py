@@ -42,7 +42,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = Fa
          generator: torch.Generator | None = None) -> torch.Tensor:
     """x * scale onto the format's grid: round to nearest even (or stochastically), saturating at ±max."""
     fmt = s.format
-    if s.granularity == "tensor" and fmt.torch_dtype in FP8 and not stochastic and kernels.usable(x):
+    if (s.granularity == "tensor" and fmt.torch_dtype in FP8 and not stochastic and kernels.usable(x)
+            and scale.device == x.device):
         return kernels.cast(x, scale, fmt.max, fmt.torch_dtype)  # eager on a GPU: one pass
     # Row-major data whatever the layout of x (a transposed view in backward): `_scaled_mm` needs it so.
     y = (x.float() * expand_groups(scale, s, x.shape)).contiguous()

@@ -93,8 +93,8 @@ def run_quantize(a, device: torch.device, report: Report) -> None:
         variants.insert(1, ("lowbit quantize", lowbit_q, False))
     for name, fn, compiled in variants:
         f = torch.compile(fn) if compiled else fn
-        row = {"variant": name + (" (compiled)" if compiled else " (eager, Triton)" if kernels.usable(v)
-                                  else " (eager)")}
+        triton = fn is lowbit_q and kernels.usable(v)
+        row = {"variant": name + (" (compiled)" if compiled else " (eager, Triton)" if triton else " (eager)")}
         try:
             row.update(time_ms(lambda: f(v), device, a.quantize_steps, a.warmup))
             row["gb_s"] = nbytes / row["ms"] / 1e6
