@@ -38,12 +38,16 @@ class QTensor:
         return QTensor(self.data.t().contiguous(), self.scale_inv, self.spec)
 
 
+def _on_triton(x: torch.Tensor, s: Scaling) -> bool:
+    """One scale per tensor, an FP8 format, and x where lowbit's Triton kernels run (eager, on a GPU)."""
+    return s.granularity == "tensor" and s.format.torch_dtype in FP8 and kernels.usable(x)
+
+
 def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = False,
          generator: torch.Generator | None = None) -> torch.Tensor:
     """x * scale onto the format's grid: round to nearest even (or stochastically), saturating at ±max."""
     fmt = s.format
-    if (s.granularity == "tensor" and fmt.torch_dtype in FP8 and not stochastic and kernels.usable(x)
-            and scale.device == x.device):
+    if _on_triton(x, s) and not stochastic and scale.device == x.device:
         return kernels.cast(x, scale, fmt.max, fmt.torch_dtype)  # eager on a GPU: one pass
     # Row-major data whatever the layout of x (a transposed view in backward): `_scaled_mm` needs it so.
     y = (x.float() * expand_groups(scale, s, x.shape)).contiguous()
@@ -55,16 +59,12 @@ def cast(x: torch.Tensor, scale: torch.Tensor, s: Scaling, stochastic: bool = Fa
     return q.to(fmt.torch_dtype or torch.float8_e4m3fn)
 
 
-def _fused(x: torch.Tensor, s: Scaling) -> bool:
-    return (s.granularity == "tensor" and s.strategy == "current" and not s.margin and not s.power_of_two
-            and s.format.torch_dtype in FP8 and kernels.usable(x))
-
-
 def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, update: bool = False,
              scale: torch.Tensor | None = None) -> QTensor:
     """Quantize a 2-D tensor (last dimension = the GEMM's reduction dimension) with `scale` if given, else with
     the scale its `state`'s strategy picks (recording this amax when `update`), else by current scaling."""
-    if scale is None and state is None and _fused(x, s):  # eager on a GPU: three launches
+    # eager on a GPU, the current scale (no margin, no power-of-two rounding) and the cast in three launches
+    if scale is None and state is None and not s.margin and not s.power_of_two and _on_triton(x, s):
         data, scale_inv = kernels.quantize(x, s.format.max, s.format.torch_dtype)
         return QTensor(data, scale_inv, s)
     if scale is None:
