@@ -323,7 +323,7 @@ def test_compiled_linears_keeping_their_inputs_match_eager_on_gpu(recipe):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 @pytest.mark.parametrize("case", ["plain", "inf", "nan", "zeros", "tiny", "odd size"])
-def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype):
+def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype, monkeypatch):
     """The eager GPU path's Triton kernels (amax, cast, fused quantize) against the torch formulas run on the
     CPU (on the GPU those formulas now call the kernels)."""
     import math
@@ -353,5 +353,9 @@ def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype):
         return torch.equal(a.float().isnan(), nan) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
 
     assert same(cast(xg, scale.cuda(), s), ref.data)
-    q = quantize(xg, s)  # the fused kernels
-    assert same(q.data, ref.data) and torch.equal(q.scale_inv.cpu(), ref.scale_inv)
+    for reverse in (True, False):  # the fused kernels, the cast walking the tensor from either end
+        monkeypatch.setattr(kernels, "REVERSE", reverse)
+        q = quantize(xg, s)
+        assert same(q.data, ref.data) and torch.equal(q.scale_inv.cpu(), ref.scale_inv)
+    monkeypatch.setattr(kernels, "ENABLED", False)  # LOWBIT_TRITON=0
+    assert not kernels.usable(xg)

@@ -11,6 +11,7 @@ CPU without Triton never reaches them.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
@@ -20,7 +21,12 @@ try:
 except ImportError:  # a CPU install: the torch formulas serve
     triton = None
 
-AMAX_BLOCK, AMAX_ITERS, CAST_BLOCK = 4096, 16, 4096
+# LOWBIT_TRITON=0 keeps the torch formulas everywhere (to compare, or to rule the kernels out)
+ENABLED = os.environ.get("LOWBIT_TRITON", "1") != "0"
+# Launch settings, module globals so that benchmarks/quantize_sweep.py can try others. REVERSE: the cast walks the
+# tensor from its end, where the amax pass read last, so the part of x still in L2 (up to ~50 MB on a Hopper) is
+# read from there instead of from HBM; the result does not depend on the order.
+AMAX_BLOCK, AMAX_ITERS, AMAX_WARPS, CAST_BLOCK, CAST_WARPS, REVERSE = 4096, 16, 8, 4096, 8, True
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -29,8 +35,8 @@ def usable(x: torch.Tensor) -> bool:
     CUDA device with Triton and FP8 (compute capability 8.9 on), contiguous, non-empty."""
     # is_compiling first: dynamo then folds the whole test to False without looking at x (asked about x, it
     # could not trace an autograd.Function's forward and ran it outside autocast: the q/k/v outputs came out fp32)
-    return (not torch.compiler.is_compiling() and triton is not None and type(x) in (torch.Tensor, torch.nn.Parameter)
-            and x.is_cuda and x.is_contiguous() and x.numel() > 0
+    return (not torch.compiler.is_compiling() and ENABLED and triton is not None
+            and type(x) in (torch.Tensor, torch.nn.Parameter) and x.is_cuda and x.is_contiguous() and x.numel() > 0
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _has_fp8(x.device.index))
 
 
@@ -58,7 +64,7 @@ if triton is not None:
 
     @triton.jit
     def _cast_kernel(x_ptr, y_ptr, scale_ptr, stats_ptr, scale_inv_ptr, n, FMT_MAX: tl.constexpr,
-                     FROM_STATS: tl.constexpr, BLOCK: tl.constexpr):
+                     FROM_STATS: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr):
         # y = fp8(clamp(x * scale, ±max)), NaN kept. FROM_STATS: the scale from _amax_kernel's stats as
         # scaling.scale_from_amax makes it (fallback 1; fmt.max / amax, at most fp32's max), and
         # program 0 writes its reciprocal; else the scale is read from scale_ptr.
@@ -74,7 +80,10 @@ if triton is not None:
                 tl.store(scale_inv_ptr, tl.math.div_rn(one, scale))
         else:
             scale = tl.load(scale_ptr)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        block = pid
+        if REVERSE:
+            block = tl.num_programs(0) - 1 - pid
+        offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
@@ -86,7 +95,7 @@ def _stats(x: torch.Tensor) -> torch.Tensor:
     n = x.numel()
     with torch.cuda.device(x.device):  # Triton launches on the current device's stream
         _amax_kernel[(triton.cdiv(n, AMAX_BLOCK * AMAX_ITERS),)](x, stats, n, BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS,
-                                                                num_warps=8)
+                                                                num_warps=AMAX_WARPS)
     return stats
 
 
@@ -103,7 +112,8 @@ def cast(x: torch.Tensor, scale: torch.Tensor, fmt_max: float, dtype: torch.dtyp
     n = x.numel()
     with torch.cuda.device(x.device):
         _cast_kernel[(triton.cdiv(n, CAST_BLOCK),)](x, y, scale.float().reshape(1), scale, scale, n,
-                                                    FMT_MAX=fmt_max, FROM_STATS=False, BLOCK=CAST_BLOCK, num_warps=8)
+                                                    FMT_MAX=fmt_max, FROM_STATS=False, BLOCK=CAST_BLOCK,
+                                                    REVERSE=False, num_warps=CAST_WARPS)
     return y
 
 
@@ -116,5 +126,6 @@ def quantize(x: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> tuple[torch
     n = x.numel()
     with torch.cuda.device(x.device):
         _cast_kernel[(triton.cdiv(n, CAST_BLOCK),)](x, y, stats, stats, scale_inv, n, FMT_MAX=fmt_max,
-                                                    FROM_STATS=True, BLOCK=CAST_BLOCK, num_warps=8)
+                                                    FROM_STATS=True, BLOCK=CAST_BLOCK, REVERSE=REVERSE,
+                                                    num_warps=CAST_WARPS)
     return y, scale_inv

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, Report, Table, back_to_back_ms, error_row, time_ms
+from lowbit.tools.bench.common import (GPU_HBM_BYTES_PER_S, Report, Table, back_to_back_ms, error_row, graph_ms,
+                                       time_ms)
 
 
 def mlp_gemm_shapes(tokens: int, dim: int, hidden: int) -> list[tuple[str, int, int, int]]:
@@ -72,10 +73,12 @@ def run_quantize(a, device: torch.device, report: Report) -> None:
     t = report.table(Table("quantize", f"per-tensor E4M3 quantization, {a.tokens} x {a.dim} bf16",
                            [("variant", "variant", ""), ("ms", "ms (median)", ".4f"), ("gb_s", "GB/s", ".0f"),
                             ("ms_back_to_back", "ms back to back", ".4f"),
-                            ("gb_s_back_to_back", "GB/s back to back", ".0f")]))
+                            ("gb_s_back_to_back", "GB/s back to back", ".0f"),
+                            ("ms_graph", "ms in a CUDA graph", ".4f"), ("gb_s_graph", "GB/s in a CUDA graph", ".0f")]))
     t.notes.append("ms: one call timed alone (its launch included: the GPU idles while the host runs the compiled "
                    "wrapper); back to back: the mean over the calls launched in a row, the kernels' own time "
-                   "unless the host launches slower than they run")
+                   "unless the host launches slower than they run; in a CUDA graph: 20 calls captured and replayed, "
+                   "the kernels' time with no host launch at all")
     v = torch.randn(a.tokens, a.dim, device=device).to(torch.bfloat16)
     spec = Scaling("e4m3")
 
@@ -102,6 +105,13 @@ def run_quantize(a, device: torch.device, report: Report) -> None:
             row["gb_s_back_to_back"] = nbytes / row["ms_back_to_back"] / 1e6
         except Exception as e:
             row.update(error_row(e))
+        if device.type == "cuda" and "error" not in row:
+            try:
+                row["ms_graph"] = graph_ms(lambda: f(v), device)
+                row["gb_s_graph"] = nbytes / row["ms_graph"] / 1e6
+            except Exception as e:  # a capture that fails leaves the column empty, and says why
+                row["graph_error"] = error_row(e)["error"]
+                t.notes.append(f"{row['variant']}: no CUDA graph ({row['graph_error']})")
         report.row(t, row)
     bw = next((b for k, b in GPU_HBM_BYTES_PER_S.items() if k in report.meta["device"]), None)
     if bw:

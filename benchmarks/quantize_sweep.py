@@ -1,0 +1,80 @@
+"""Launch settings of lowbit's Triton quantization kernels (lowbit/kernels.py) on a GPU, each timed in a CUDA graph
+(the kernels' own time, no host launches) on a 16384 x 4096 bf16 tensor, beside inductor's compiled quantize and a
+plain copy (the bandwidth a pass can reach). Every setting's bytes are checked against the compiled quantize.
+
+    PYTHONPATH=src python3 benchmarks/quantize_sweep.py --out sweep.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from lowbit import kernels
+from lowbit.qtensor import quantize
+from lowbit.scaling import Scaling
+from lowbit.tools.bench.common import graph_ms
+
+DEFAULTS = {k: getattr(kernels, k) for k in ("AMAX_BLOCK", "AMAX_ITERS", "AMAX_WARPS", "CAST_BLOCK", "CAST_WARPS",
+                                             "REVERSE")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--tokens", type=int, default=16384)
+    p.add_argument("--dim", type=int, default=4096)
+    p.add_argument("--out", default="")
+    a = p.parse_args()
+    dev = torch.device("cuda")
+    x = torch.randn(a.tokens, a.dim, device=dev).to(torch.bfloat16)
+    spec = Scaling("e4m3")
+    mb = x.numel() * 3 / 1e6  # read 2 bytes, write 1 per element
+    rows = []
+
+    def row(name, ms, nbytes_mb=mb, **extra):
+        rows.append({"variant": name, "ms": ms, "gb_s": nbytes_mb / ms, **extra})
+        print(f"{name:<60} {ms:8.4f} ms {nbytes_mb / ms:7.0f} GB/s {extra or ''}", flush=True)
+
+    compiled = torch.compile(lambda t: (lambda q: (q.data, q.scale_inv))(quantize(t, spec)))
+    ref, ref_inv = compiled(x)
+    row("inductor: compiled quantize", graph_ms(lambda: compiled(x), dev))
+    y = torch.empty_like(x)
+    row("copy bf16 -> bf16 (4 bytes per element)", graph_ms(lambda: y.copy_(x), dev), x.numel() * 4 / 1e6)
+    scale = torch.ones((), device=dev)
+    row("cast alone, given scale (one pass, 3 bytes)", graph_ms(lambda: kernels.cast(x, scale, 448.0,
+                                                                                     torch.float8_e4m3fn), dev))
+    row("amax alone (2 bytes)", graph_ms(lambda: kernels.amax(x), dev), x.numel() * 2 / 1e6)
+
+    def setting(**kw):
+        for k, v in {**DEFAULTS, **kw}.items():
+            setattr(kernels, k, v)
+        data, inv = kernels.quantize(x, 448.0, torch.float8_e4m3fn)
+        same = torch.equal(data.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(inv, ref_inv)
+        return graph_ms(lambda: kernels.quantize(x, 448.0, torch.float8_e4m3fn), dev), same
+
+    # the amax pass alone first, then the cast's settings with the best amax
+    best_amax, best = {}, None
+    for block, iters, warps in itertools.product((1024, 2048, 4096, 8192), (4, 16, 64), (4, 8, 16)):
+        kw = {"AMAX_BLOCK": block, "AMAX_ITERS": iters, "AMAX_WARPS": warps}
+        for k, v in {**DEFAULTS, **kw}.items():
+            setattr(kernels, k, v)
+        ms = graph_ms(lambda: kernels.amax(x), dev)
+        row(f"amax {block} x {iters}, {warps} warps", ms, x.numel() * 2 / 1e6, **kw)
+        if best is None or ms < best:
+            best, best_amax = ms, kw
+    for block, warps, reverse in itertools.product((1024, 2048, 4096, 8192), (4, 8, 16), (False, True)):
+        kw = {**best_amax, "CAST_BLOCK": block, "CAST_WARPS": warps, "REVERSE": reverse}
+        ms, same = setting(**kw)
+        row(f"quantize: cast {block}, {warps} warps, {'reverse' if reverse else 'forward'}", ms, same=same, **kw)
+    ms, same = setting()
+    row(f"quantize: defaults {DEFAULTS}", ms, same=same, **DEFAULTS)
+    if a.out:
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": [a.tokens, a.dim]}
+        json.dump({"meta": meta, "rows": rows}, open(a.out, "w"), indent=1)
+
+
+if __name__ == "__main__":
+    main()
