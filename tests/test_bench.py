@@ -33,6 +33,7 @@ def test_bench_subcommand(what, tmp_path, capsys):
     for key in ("device", "torch", "date", "command", "torchao"):
         assert key in meta
     assert doc["complete"] is True and doc["what"] == what
+    assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # the tables drawn beside the JSON
     assert f"torch {meta['torch']}" in stdout and meta["date"] in stdout and "bench " + what in meta["command"]
     rows = doc["tables"][TABLE[what]]["rows"]
     assert all("error" not in r for r in rows), rows
@@ -140,6 +141,23 @@ def test_saved_bytes_keeps_no_graph_alive():
     del y, z
     counter.close()
     assert len(refs) >= 2 and all(r() is None for r in refs)
+
+
+def test_plot_draws_every_table_with_rows_and_skips_errors(tmp_path, monkeypatch):
+    from lowbit.tools.bench import plot
+
+    drawn = []
+    monkeypatch.setattr(plot, "_value", lambda r, keys, f=plot._value: drawn.append(r["variant"]) or f(r, keys))
+    kinds = {k: 10.0 for k in plot.KINDS}
+    doc = {"meta": {"device": "X", "torch": "2", "date": "d", "command": "c"}, "tables": {
+        "step": {"title": "t", "rows": [{"variant": "bf16", "ms": 2.0}, {"variant": "a", "error": "boom"},
+                                        {"variant": "b", "ms": 1.0}]},
+        "profile": {"title": "p", "rows": [{"variant": "bf16", **kinds}]},
+        "empty": {"title": "e", "rows": [{"variant": "c", "error": "boom"}]}}}
+    png = plot.plot(doc, tmp_path / "x.png")
+    assert png.read_bytes()[:4] == b"\x89PNG" and "a" not in drawn and {"bf16", "b"} <= set(drawn)
+    assert plot.plot({"tables": doc["tables"] | {"step": doc["tables"]["empty"], "profile": {"rows": []}}},
+                     tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
 
 def test_bench_step_profile_times_the_phases(tmp_path, capsys):

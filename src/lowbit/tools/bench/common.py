@@ -299,4 +299,7 @@ class Report:
             print(t.markdown())
         self.save(complete=True)
         if self.out:
-            print(f"\nwrote {self.out}")
+            from lowbit.tools.bench.plot import plot
+
+            png = plot(json.loads(Path(self.out).read_text()), Path(self.out).with_suffix(".png"))
+            print(f"\nwrote {self.out}" + (f" and {png}" if png else ""))
