@@ -53,7 +53,9 @@ def test_bench_subcommand(what, tmp_path, capsys):
         timed = [r for r in quantize if "floor" not in r["variant"]]
         assert timed and all(r["ms_back_to_back"] > 0 and r["gb_s_back_to_back"] > 0 for r in timed)
     if what == "step":
-        assert all(r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 for r in rows)
+        assert all(r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["ms_in_a_row"] > 0 for r in rows)
+        fp8 = next(r for r in rows if r["variant"] == "lowbit fp8-tensorwise")
+        assert fp8["speedup_in_a_row_vs_bf16"] > 0
     if what == "memory":
         bf16 = next(r for r in rows if r["variant"] == "bf16")
         fp8 = next(r for r in rows if r["variant"] == "lowbit fp8-tensorwise")

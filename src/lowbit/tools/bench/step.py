@@ -5,13 +5,14 @@ MFU from the model's FLOPs/token, peak memory."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 
 import torch
 
 from lowbit.scaling import reports_held
 from lowbit.tools.bench import profile
-from lowbit.tools.bench.common import (Report, Table, error_row, release, sync, time_ms,
+from lowbit.tools.bench.common import (Report, Table, back_to_back_ms, error_row, release, sync, time_ms,
                                        torchao_convert, variants)
 from lowbit.train.compile import compile_model
 
@@ -58,6 +59,8 @@ def run_step(a, device: torch.device, report: Report) -> None:
                            [("variant", "variant", ""), ("ms", "ms/step (median)", ".1f"),
                             ("tokens_per_s", "tokens/s", ",.0f"), ("mfu_pct", "MFU %", ".1f"),
                             ("speedup_vs_bf16", "vs bf16", ".3f"), ("vs_fp8_tensorwise", "ms vs fp8-tensorwise", ".3f"),
+                            ("ms_in_a_row", "ms/step in a row", ".1f"), ("mfu_in_a_row_pct", "MFU % in a row", ".1f"),
+                            ("speedup_in_a_row_vs_bf16", "vs bf16 in a row", ".3f"),
                             ("peak_mem_gib", "peak GiB", ".2f"), ("reserved_gib", "reserved GiB", ".2f"),
                             ("first_step_s", "first step s", ".1f")]))
     prof = report.table(Table("profile", f"where the step's time goes (`{a.preset}`, {mode}; ms)",
@@ -89,6 +92,14 @@ def run_step(a, device: torch.device, report: Report) -> None:
                 backward(forward())
                 optimizer()
 
+            def trainer_step():  # as the trainer's loop: the loss and norm read (a sync) before the update
+                loss = forward()
+                backward(loss)
+                norm = opt.clip_grad_norm_(1.0)
+                if math.isfinite(loss.item()) and math.isfinite(norm.item()):
+                    opt.step()
+                opt.zero_grad(set_to_none=True)
+
             t0 = time.perf_counter()
             step()  # the first step compiles and allocates the optimizer states
             sync(device)
@@ -101,6 +112,9 @@ def run_step(a, device: torch.device, report: Report) -> None:
             row["tokens_per_s"] = a.batch * a.seq / (row["ms"] / 1e3)
             row["flops_per_token"] = flops
             row["mfu_pct"] = 100 * row["tokens_per_s"] * flops / peak if peak else None
+            # steps in a row: the next step's launches overlap this one's update, as in training
+            row["ms_in_a_row"] = back_to_back_ms(trainer_step, device, a.steps)
+            row["mfu_in_a_row_pct"] = row["mfu_pct"] * row["ms"] / row["ms_in_a_row"] if peak else None
             if device.type == "cuda":
                 row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
                 # held by the allocator, CUDA graph pools included (their blocks are not "allocated" between replays)
@@ -121,10 +135,13 @@ def run_step(a, device: torch.device, report: Report) -> None:
         if profiling:
             report.row(prof, prow)
     ref = {r["variant"]: r["ms"] for r in t.rows if "ms" in r}
+    bf16_row = next((r for r in t.rows if r["variant"] == "bf16"), {})
     for r in t.rows:
         if "ms" in r:
             if "bf16" in ref:
                 r["speedup_vs_bf16"] = ref["bf16"] / r["ms"]
+            if r.get("ms_in_a_row") and bf16_row.get("ms_in_a_row"):
+                r["speedup_in_a_row_vs_bf16"] = bf16_row["ms_in_a_row"] / r["ms_in_a_row"]
             if "lowbit fp8-tensorwise" in ref:
                 r["vs_fp8_tensorwise"] = r["ms"] / ref["lowbit fp8-tensorwise"]
     if prof:
