@@ -140,14 +140,14 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
         # their launch settings swept in CUDA graphs, the quantization table with its CUDA-graph column and the 7B MLP,
         # the `1b` step also timed in a row with the trainer's sync (the next step's launches overlap the update),
         # and the eager MLP with and without the Triton kernels (LOWBIT_TRITON=0)
-    timeout 120 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton or cuda_graphs" 2>&1 | tail -n 12
-    timeout 150 python3 benchmarks/quantize_sweep.py --out "$OUT/quantize_sweep.json" > "$OUT/quantize_sweep.txt" 2>&1
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton or cuda_graphs" 2>&1 | tail -n 12
+    timeout 120 python3 benchmarks/quantize_sweep.py --out "$OUT/quantize_sweep.json" > "$OUT/quantize_sweep.txt" 2>&1
     echo "== sweep (exit $?)"; grep -v -E "^[WIE][0-9]{4}" "$OUT/quantize_sweep.txt" | tail -n 70
-    part inarow_1b "${STEP_S:-170}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise --torchao tensorwise \
+    part inarow_1b "${STEP_S:-150}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise --torchao tensorwise \
       --compile-scope blocks
-    part mlp6 "${MLP_S:-90}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
-    part mlp_eager "${EAGER_S:-50}" mlp --eager --recipes bf16,fp8-tensorwise --torchao tensorwise
-    LOWBIT_TRITON=0 part mlp_eager_torch "${EAGER_S:-40}" mlp --eager --recipes fp8-tensorwise --no-bf16 --torchao none ;;
+    part mlp6 "${MLP_S:-80}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
+    part mlp_eager "${EAGER_S:-40}" mlp --eager --recipes bf16,fp8-tensorwise --torchao tensorwise
+    LOWBIT_TRITON=0 part mlp_eager_torch "${EAGER_S:-30}" mlp --eager --recipes fp8-tensorwise --no-bf16 --torchao none ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile
