@@ -5,6 +5,10 @@
 # what it measured. Output in $OUT (or ./out).
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
+# A call returns at most 8 files from $OUT (session 17 lost its sweep and tests that way): at the end, everything is
+# packed into one results.tar.gz, and the originals removed when the archive holds them.
+pack() { tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"; }
+trap pack EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:src
@@ -140,7 +144,8 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
         # their launch settings swept in CUDA graphs, the quantization table with its CUDA-graph column and the 7B MLP,
         # the `1b` step also timed in a row with the trainer's sync (the next step's launches overlap the update),
         # and the eager MLP with and without the Triton kernels (LOWBIT_TRITON=0)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton or cuda_graphs" 2>&1 | tail -n 12
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton or cuda_graphs" > "$OUT/tests.txt" 2>&1
+    echo "== tests (exit $?)"; tail -n 12 "$OUT/tests.txt"
     timeout 120 python3 benchmarks/quantize_sweep.py --out "$OUT/quantize_sweep.json" > "$OUT/quantize_sweep.txt" 2>&1
     echo "== sweep (exit $?)"; grep -v -E "^[WIE][0-9]{4}" "$OUT/quantize_sweep.txt" | tail -n 70
     part inarow_1b "${STEP_S:-150}" step --steps 20 --warmup 3 --recipes bf16,fp8-tensorwise --torchao tensorwise \
