@@ -195,6 +195,10 @@ def test_backward_reports_are_recorded_together_as_one_at_a_time(spec):
     assert states[1].skipped.item() == (1 if spec.strategy == "delayed" else 2)
 
 
+def test_operand_states_without_operands_build_and_move():
+    assert len(OperandStates({}).to("cpu")) == 0  # nothing scaled: no sink to make
+
+
 def test_reports_left_by_a_raising_backward_are_recorded_in_order_with_the_next():
     """A backward that raises never reaches its end: its reports wait and are recorded, before the next pass's
     reports of the same state, when that pass ends."""

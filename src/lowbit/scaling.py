@@ -243,7 +243,8 @@ class OperandStates(nn.ModuleDict):
 
     def __init__(self, states: dict[str, ScalingState]):
         super().__init__(states)
-        self.sink(next(iter(states.values())).scale.device)
+        if states:  # an empty one (no operand scaled) has nothing to report
+            self.sink(next(iter(states.values())).scale.device)
 
     def sink(self, device: torch.device) -> torch.Tensor:
         """The leaf tensor whose gradient carries this layer's reports. (Made with the module and on every move:
