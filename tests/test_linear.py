@@ -305,3 +305,32 @@ def test_compiles_in_one_graph_and_backward_still_records(recipe):
     assert go.updates.item() == 2 and go.skipped.item() == 0
     if go.spec.granularity == "tensor":
         assert go.amax_history[0] > 0 and go.scale != 1
+
+
+def test_scaling_knobs_reach_every_operand_and_change_the_scales():
+    """numerics.scaling / history / interval / margin override the recipe's scaling of input, weight and output
+    gradient; nanotron-r2 at interval 1 moves its input scale every step, at its own interval of 16 not before
+    step 16 (the first update always sets one); a margin of 1 halves a current scale."""
+    from lowbit.train.config import load_config
+    from lowbit.train.trainer import recipe_of
+
+    def run(*args, steps=3):
+        recipe = recipe_of(load_config(None, ["--recipe", *args]))
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 64, bias=False))
+        convert(model, recipe)
+        scales = []
+        for step in range(steps):
+            model(torch.randn(16, 64) * 2.0 ** step).sum().backward()
+            scales.append(model[0].scaling["input"].scale.item())
+        return recipe.linear, scales
+
+    lin, every = run("nanotron-r2", "--numerics.interval", "1")
+    assert (lin.input.interval, lin.grad_output.interval, lin.weight.strategy) == (1, 1, "current")
+    _, sixteen = run("nanotron-r2")
+    assert len(set(every)) == 3 and len(set(sixteen)) == 1
+    lin, _ = run("fp8-tensorwise", "--numerics.scaling", "delayed", "--numerics.history", "4", steps=1)
+    assert {(s.strategy, s.history) for s in (lin.input, lin.weight, lin.grad_output)} == {("delayed", 4)}
+    lin, half = run("fp8-tensorwise", "--numerics.margin", "1", steps=1)
+    _, full = run("fp8-tensorwise", steps=1)
+    assert {s.margin for s in (lin.input, lin.weight, lin.grad_output)} == {1} and half[0] == full[0] / 2

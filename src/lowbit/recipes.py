@@ -117,6 +117,37 @@ def with_dge(recipe: Recipe, k: float | None = None, clamp: float | None = None)
     return replace(recipe, linear=replace(recipe.linear, dge=replace(recipe.linear.dge, **over)))
 
 
+def with_scaling(recipe: Recipe, strategy: str = "", history: int | None = None, interval: int | None = None,
+                 margin: int | None = None) -> Recipe:
+    """The recipe with the scaling of its linears' GEMM operands (input, weight, grad_output) overridden where
+    given: numerics.scaling (the strategy of every operand), numerics.history and numerics.interval (of the
+    delayed ones), numerics.margin (of every one). The ablation knobs of nanotron and FP8-LM."""
+    given = {k: v for k, v in (("scaling", strategy), ("history", history), ("interval", interval),
+                                ("margin", margin)) if v not in (None, "")}
+    if not given:
+        return recipe
+    keys = ", ".join(f"numerics.{k}" for k in given)
+    if recipe.linear is None:
+        raise LowbitError(f"{keys}: recipe {recipe.name} has no low-precision linears to scale")
+    if margin is not None and margin < 0:
+        raise LowbitError(f"numerics.margin: must be >= 0, got {margin}")
+    lin = recipe.linear
+    operands = {"input": lin.input, "weight": lin.weight, "grad_output": lin.grad_output}
+    out = {}
+    for name, s in operands.items():
+        if strategy == "delayed" and s.granularity != "tensor":
+            raise LowbitError(f"numerics.scaling: delayed needs one scale per tensor; recipe {recipe.name} scales "
+                              f"its {name} per {s.granularity}")
+        s = replace(s, strategy=strategy or s.strategy)
+        if s.strategy == "delayed":
+            s = replace(s, history=history or s.history, interval=interval or s.interval)
+        out[name] = replace(s, margin=s.margin if margin is None else margin)
+    if (history or interval) and not any(s.strategy == "delayed" for s in out.values()):
+        which = ", ".join(f"numerics.{k}" for k in ("history", "interval") if given.get(k))
+        raise LowbitError(f"{which}: recipe {recipe.name} has no delayed scaling (add numerics.scaling=delayed)")
+    return replace(recipe, linear=replace(lin, **out))
+
+
 def _kept(name: str, linear: nn.Linear, recipe: Recipe, n_layers: int | None) -> str | None:
     """Why `name` stays high precision, or None to convert it."""
     if recipe.keep_lm_head and name in ("output", "lm_head"):

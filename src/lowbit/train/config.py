@@ -101,6 +101,13 @@ class NumericsConfig:
                                     "recipe's (5)")
     dge_clamp: float | None = opt(None, "recipes with DGE (fp4): the largest factor it multiplies a weight gradient "
                                         "by; unset: the recipe's (3)")
+    # The scaling ablations of nanotron and FP8-LM, over every GEMM operand of the recipe's linears
+    scaling: str = opt("", "scale strategy of every operand: current | delayed (one scale per tensor only); "
+                           "empty: the recipe's")
+    history: int | None = opt(None, "delayed operands: amax history length; unset: the recipe's (16 if made delayed)")
+    interval: int | None = opt(None, "delayed operands: recompute the scale every N steps; unset: the recipe's")
+    margin: int | None = opt(None, "every operand: scale by 2^-margin below fmt.max / amax (headroom); unset: the "
+                                   "recipe's (0)")
 
 
 @dataclass
@@ -288,6 +295,7 @@ CHOICES = {
     "model.preset": None,  # filled by models.llama (PRESETS) at validation time
     "model.attention": ("sdpa", "performer"),
     "model.sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math"),
+    "numerics.scaling": ("", "current", "delayed"),
     "model.checkpointing": ("none", "full", "selective"),
     "train.compile_scope": COMPILE_SCOPES,
     "train.dtype": ("auto", "fp32", "bf16"),
@@ -307,7 +315,7 @@ POSITIVE = [
     "data.vocab_size", "data.seq_len", "train.steps", "train.batch_size", "train.lr", "train.eps",
     "train.eval_batches", "train.log_every", "train.rollback_after", "checkpoint.keep",
     "parallel.dp", "parallel.dp_shard", "parallel.tp", "parallel.pp", "parallel.cp", "parallel.timeout_s",
-    "numerics.dge_k", "numerics.dge_clamp",
+    "numerics.dge_k", "numerics.dge_clamp", "numerics.history", "numerics.interval",
 ]
 NON_NEGATIVE = [
     "model.performer_redraw",
@@ -340,12 +348,12 @@ def _check_keep(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     from lowbit.models.llama import PRESETS
-    from lowbit.recipes import RECIPES, with_dge
+    from lowbit.recipes import RECIPES, with_dge, with_scaling
 
     choices = dict(CHOICES, **{"model.preset": tuple(PRESETS)})
     for key, allowed in choices.items():
         if get(cfg, key) not in allowed:
-            raise LowbitError(f"{key}: {get(cfg, key)!r} is not one of {', '.join(allowed)}")
+            raise LowbitError(f"{key}: {get(cfg, key)!r} is not one of {', '.join(a or '(empty)' for a in allowed)}")
     if cfg.recipe not in RECIPES:
         raise LowbitError(f"recipe: {cfg.recipe!r} is not one of {', '.join(RECIPES)}")
     for key in POSITIVE:
@@ -371,6 +379,8 @@ def validate(cfg: Config) -> None:
     optim_precision(cfg)  # raises naming the optim key
     _check_keep(cfg)
     with_dge(recipe, cfg.numerics.dge_k, cfg.numerics.dge_clamp)  # raises naming the key if the recipe has no DGE
+    n = cfg.numerics
+    with_scaling(recipe, n.scaling, n.history, n.interval, n.margin)  # raises naming the key it cannot apply
     if recipe.needs_grad_clip and not t.grad_clip:
         raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
     if cfg.model.attention != "sdpa" and cfg.model.sdpa_backend != "auto":

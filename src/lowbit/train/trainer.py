@@ -36,7 +36,7 @@ from lowbit.models.performer import redraw_features
 from lowbit.linear import LowPrecisionLinear
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
-from lowbit.recipes import convert, covered_linears, get_recipe, with_dge, with_filters
+from lowbit.recipes import convert, covered_linears, get_recipe, with_dge, with_filters, with_scaling
 from lowbit.scaling import reports_held
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.compile import compile_model, eager
@@ -181,11 +181,11 @@ def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=
 
 
 def recipe_of(cfg: Config):
-    """The run's Recipe: the named one with the [numerics] module filters and DGE settings applied."""
+    """The run's Recipe: the named one with the [numerics] module filters, DGE and scaling settings applied."""
     n = cfg.numerics
     recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
                           min_dim=n.min_dim, keep=n.keep)
-    return with_dge(recipe, n.dge_k, n.dge_clamp)
+    return with_scaling(with_dge(recipe, n.dge_k, n.dge_clamp), n.scaling, n.history, n.interval, n.margin)
 
 
 def train(cfg: Config) -> dict:
