@@ -6,8 +6,11 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # A call returns at most 8 files from $OUT (session 17 lost its sweep and tests that way): at the end, everything is
-# packed into one results.tar.gz, and the originals removed when the archive holds them.
-pack() { tar -czf /tmp/results.tar.gz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/results.tar.gz "$OUT/"; }
+# packed into one results.tar.gz inside $OUT, and only then are the originals removed.
+pack() {
+  tar -czf /tmp/results.tar.gz -C "$OUT" --exclude=./results.tar.gz . && mv /tmp/results.tar.gz "$OUT/results.tar.gz" \
+    && find "$OUT" -mindepth 1 ! -name results.tar.gz -delete
+}
 trap pack EXIT
 export PYTHONUNBUFFERED=1 PYTHONPATH=src
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -144,7 +147,8 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
         # their launch settings swept in CUDA graphs, the quantization table with its CUDA-graph column and the 7B MLP,
         # the `1b` step also timed in a row with the trainer's sync (the next step's launches overlap the update),
         # and the eager MLP with and without the Triton kernels (LOWBIT_TRITON=0)
-    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton or cuda_graphs" > "$OUT/tests.txt" 2>&1
+    timeout 100 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -rf -k "triton or cuda_graphs" \
+      > "$OUT/tests.txt" 2>&1
     echo "== tests (exit $?)"; tail -n 12 "$OUT/tests.txt"
     timeout 120 python3 benchmarks/quantize_sweep.py --out "$OUT/quantize_sweep.json" > "$OUT/quantize_sweep.txt" 2>&1
     echo "== sweep (exit $?)"; grep -v -E "^[WIE][0-9]{4}" "$OUT/quantize_sweep.txt" | tail -n 70
@@ -152,10 +156,12 @@ nanotron-r2+optim.cuda_graphs=false,nanotron-r2 ;;
       --compile-scope blocks
     part mlp6 "${MLP_S:-80}" mlp --recipes bf16,fp8-tensorwise --torchao tensorwise
     part mlp_eager "${EAGER_S:-40}" mlp --eager --recipes bf16,fp8-tensorwise --torchao tensorwise
-    LOWBIT_TRITON=0 part mlp_eager_torch "${EAGER_S:-30}" mlp --eager --recipes fp8-tensorwise --no-bf16 --torchao none ;;
+    LOWBIT_TRITON=0 part mlp_eager_torch "${EAGER_S:-30}" mlp --eager --recipes fp8-tensorwise --no-bf16 \
+      --torchao none ;;
   s12)
     part profile_1b_nanotron "${NANO_S:-150}" step --steps 10 --warmup 2 --recipes nanotron-r2 --no-bf16 --torchao none \
       --compile-scope blocks --profile
     part step_1b_scopes "${SCOPE_S:-300}" step --steps 10 --warmup 2 --recipes bf16,fp8-tensorwise --torchao none \
       --compile-scope model --profile ;;
+  *) echo "gpu_session_bench.sh: unknown case ${1:-}" >&2; exit 2 ;;
 esac

@@ -2,6 +2,7 @@
 JSON with the metadata and a row for bf16 and for an FP8 recipe."""
 
 import json
+import os
 
 import pytest
 
@@ -146,20 +147,33 @@ def test_saved_bytes_keeps_no_graph_alive():
 
 
 def test_plot_draws_every_table_with_rows_and_skips_errors(tmp_path, monkeypatch):
+    """A panel per table with a measured row (error rows drawn as their message; the profile's dropped), none for
+    a table of errors only, and no file when nothing was measured."""
     from lowbit.tools.bench import plot
 
     drawn = []
-    monkeypatch.setattr(plot, "_value", lambda r, keys, f=plot._value: drawn.append(r["variant"]) or f(r, keys))
+    monkeypatch.setattr(plot, "_label", lambda r, f=plot._label: drawn.append(r["variant"]) or f(r))
     kinds = {k: 10.0 for k in plot.KINDS}
     doc = {"meta": {"device": "X", "torch": "2", "date": "d", "command": "c"}, "tables": {
         "step": {"title": "t", "rows": [{"variant": "bf16", "ms": 2.0}, {"variant": "a", "error": "boom"},
-                                        {"variant": "b", "ms": 1.0}]},
-        "profile": {"title": "p", "rows": [{"variant": "bf16", **kinds}]},
+                                        {"variant": "b", "ms": 1.0}, {"variant": "b", "ms": float("nan")}]},
+        "profile": {"title": "p", "rows": [{"variant": "p-only", **kinds}, {"variant": "p-err", "error": "x"}]},
         "empty": {"title": "e", "rows": [{"variant": "c", "error": "boom"}]}}}
     png = plot.plot(doc, tmp_path / "x.png")
-    assert png.read_bytes()[:4] == b"\x89PNG" and "a" not in drawn and {"bf16", "b"} <= set(drawn)
-    assert plot.plot({"tables": doc["tables"] | {"step": doc["tables"]["empty"], "profile": {"rows": []}}},
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert drawn == ["bf16", "a", "b", "p-only"]  # the NaN row is no measurement; p-err and c are not drawn
+    assert plot.plot({"tables": {"empty": doc["tables"]["empty"], "profile": {"rows": []}}},
                      tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
+def test_lowbit_triton_0_turns_the_kernels_off():
+    import subprocess
+    import sys
+
+    code = "from lowbit import kernels; print(kernels.ENABLED)"
+    out = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "LOWBIT_TRITON": v}, capture_output=True,
+                          text=True, check=True).stdout.strip() for v in ("0", "1")]
+    assert out == ["False", "True"]
 
 
 def test_bench_step_profile_times_the_phases(tmp_path, capsys):

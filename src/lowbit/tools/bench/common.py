@@ -72,7 +72,10 @@ def metadata(device: torch.device, argv: list[str]) -> dict:
     ao = torchao_module()
     meta["torchao"] = getattr(ao, "__version__", "unknown") if ao else None
     if device.type == "cuda":
+        from lowbit import kernels
+
         meta["cuda"] = torch.version.cuda
+        meta["lowbit_triton"] = kernels.ENABLED and kernels.triton is not None  # the eager casts' kernels
     return meta
 
 
@@ -301,5 +304,10 @@ class Report:
         if self.out:
             from lowbit.tools.bench.plot import plot
 
-            png = plot(json.loads(Path(self.out).read_text()), Path(self.out).with_suffix(".png"))
+            png = Path(self.out).with_suffix(".png")
+            try:  # the JSON is written: a drawing that fails costs the picture, not the run
+                png = None if png == Path(self.out) else plot(json.loads(Path(self.out).read_text()), png)
+            except Exception as e:
+                print(f"bench: no plot ({type(e).__name__}: {e})", file=sys.stderr)
+                png = None
             print(f"\nwrote {self.out}" + (f" and {png}" if png else ""))

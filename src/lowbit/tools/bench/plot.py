@@ -5,6 +5,7 @@ X.png; `python -m lowbit.tools.bench.plot X.json ...` redraws the PNGs of earlie
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -17,11 +18,13 @@ KINDS = ("gemm_ms", "attention_ms", "fused_ms", "aten_ms", "idle_ms")  # the pro
 
 
 def _value(row: dict, keys) -> float | None:
-    return next((row[k] for k, _ in keys if isinstance(row.get(k), (int, float))), None)
+    """The row's first finite number among `keys`."""
+    return next((row[k] for k, _ in keys if isinstance(row.get(k), (int, float)) and math.isfinite(row[k])), None)
 
 
 def _label(row: dict) -> str:
-    return f"{row['shape']}: {row['variant']}" if "shape" in row else str(row.get("variant", "?"))
+    variant = str(row.get("variant", "?"))
+    return f"{row['shape']}: {variant}" if "shape" in row else variant
 
 
 def plot(doc: dict, png: str | Path) -> Path | None:
@@ -29,8 +32,10 @@ def plot(doc: dict, png: str | Path) -> Path | None:
     panels = []
     for name, t in doc.get("tables", {}).items():
         keys = (tuple((k, "") for k in KINDS) if name == "profile" else VALUES.get(name, DEFAULT))
-        rows = [r for r in t.get("rows", []) if "error" not in r and _value(r, keys) is not None]
-        if rows:
+        rows = [r for r in t.get("rows", []) if "error" in r or _value(r, keys) is not None]
+        if name == "profile":  # an error row has no kernel times to stack
+            rows = [r for r in rows if "error" not in r]
+        if any("error" not in r for r in rows):
             panels.append((name, t, keys, rows))
     if not panels:
         return None
@@ -43,28 +48,29 @@ def plot(doc: dict, png: str | Path) -> Path | None:
     fig, axes = plt.subplots(len(panels), 1, figsize=(10, sum(heights)), squeeze=False,
                              gridspec_kw={"height_ratios": heights})
     for ax, (name, t, keys, rows) in zip(axes[:, 0], panels):
-        labels = [_label(r) for r in rows]
+        ys = range(len(rows))  # by position: two rows with the same label keep two bars
         if name == "profile":
             left = [0.0] * len(rows)
             for k in KINDS:
                 vals = [float(r.get(k) or 0.0) for r in rows]
-                ax.barh(labels, vals, left=left, label=k.removesuffix("_ms"))
+                ax.barh(ys, vals, left=left, label=k.removesuffix("_ms"))
                 left = [a + b for a, b in zip(left, vals)]
             ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.0, 0.5))
             ax.set_xlabel("GPU time per step by kind of kernel, ms (idle: no kernel running)", fontsize=8)
         else:
-            vals = [_value(r, keys) for r in rows]
+            vals = [_value(r, keys) or 0.0 for r in rows]
             base = next((v for v, r in zip(vals, rows) if r.get("variant") == "bf16" and "shape" not in r), None)
-            ax.barh(labels, vals, color=["#888888" if "bf16" == r.get("variant") else "#1f77b4" for r in rows])
+            ax.barh(ys, vals, color=["#888888" if "bf16" == r.get("variant") else "#1f77b4" for r in rows])
+            time = keys[0][0].startswith("ms")
             for y, (v, r) in enumerate(zip(vals, rows)):
-                ratio = r.get("speedup_vs_bf16")  # the GEMM table's, per shape
-                time = keys[0][0].startswith("ms")
+                ratio = None if r.get("variant") == "bf16" else r.get("speedup_vs_bf16")  # the GEMM table's
                 if base and v and r.get("variant") != "bf16":
                     ratio = base / v if time else v / base
                 text = "" if ratio is None else f"  ({ratio:.3f}x bf16" + ("'s speed)" if time else ")")
-                ax.text(v, y, f" {v:,.4g}{text}", va="center", fontsize=7)
+                ax.text(v, y, f" {r['error'][:80]}" if "error" in r else f" {v:,.4g}{text}", va="center", fontsize=7)
             ax.set_xlabel(keys[0][1], fontsize=8)
-            ax.set_xlim(0, max(vals) * 1.35)
+            ax.set_xlim(0, max(vals) * 1.35 or 1.0)
+        ax.set_yticks(list(ys), [_label(r) for r in rows])
         ax.invert_yaxis()
         ax.tick_params(labelsize=7)
         ax.set_title(t.get("title", name), fontsize=9)
