@@ -55,9 +55,12 @@ def main() -> None:
         graph_ms(lambda: kernels.cast(next(turn), scale, 448.0, torch.float8_e4m3fn), dev))
     row("amax alone (2 bytes)", graph_ms(lambda: kernels.amax(next(turn)), dev), x.numel() * 2 / 1e6)
 
-    def setting(**kw):
+    def use(**kw):  # these launch settings, the defaults for the rest
         for k, v in {**DEFAULTS, **kw}.items():
             setattr(kernels, k, v)
+
+    def setting(**kw):
+        use(**kw)
         data, inv = kernels.quantize(x, 448.0, torch.float8_e4m3fn)
         same = torch.equal(data.view(torch.uint8), ref.view(torch.uint8)) and torch.equal(inv, ref_inv)
         return graph_ms(lambda: kernels.quantize(next(turn), 448.0, torch.float8_e4m3fn), dev), same
@@ -66,8 +69,7 @@ def main() -> None:
     best_amax, best = {}, None
     for block, iters, warps in itertools.product((2048, 4096, 8192), (4, 16, 64), (4, 8, 16)):
         kw = {"AMAX_BLOCK": block, "AMAX_ITERS": iters, "AMAX_WARPS": warps}
-        for k, v in {**DEFAULTS, **kw}.items():
-            setattr(kernels, k, v)
+        use(**kw)
         ms = graph_ms(lambda: kernels.amax(next(turn)), dev)
         row(f"amax {block} x {iters}, {warps} warps", ms, x.numel() * 2 / 1e6, **kw)
         if best is None or ms < best:

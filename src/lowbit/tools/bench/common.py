@@ -75,7 +75,7 @@ def metadata(device: torch.device, argv: list[str]) -> dict:
         from lowbit import kernels
 
         meta["cuda"] = torch.version.cuda
-        meta["lowbit_triton"] = kernels.ENABLED and kernels.triton is not None  # the eager casts' kernels
+        meta["lowbit_triton"] = kernels.usable(torch.zeros(1, device=device))  # whether eager casts run Triton
     return meta
 
 

@@ -104,16 +104,20 @@ def run_quantize(a, device: torch.device, report: Report) -> None:
         f = torch.compile(fn) if compiled else fn
         triton = fn is lowbit_q and kernels.usable(v)
         row = {"variant": name + (" (compiled)" if compiled else " (eager, Triton)" if triton else " (eager)")}
+
+        def call(f=f):  # the next of the inputs
+            return f(next(turn))
+
         try:
-            row.update(time_ms(lambda: f(next(turn)), device, a.quantize_steps, a.warmup))
+            row.update(time_ms(call, device, a.quantize_steps, a.warmup))
             row["gb_s"] = nbytes / row["ms"] / 1e6
-            row["ms_back_to_back"] = back_to_back_ms(lambda: f(next(turn)), device, a.quantize_steps)
+            row["ms_back_to_back"] = back_to_back_ms(call, device, a.quantize_steps)
             row["gb_s_back_to_back"] = nbytes / row["ms_back_to_back"] / 1e6
         except Exception as e:
             row.update(error_row(e))
         if device.type == "cuda" and "error" not in row:
             try:
-                row["ms_graph"] = graph_ms(lambda: f(next(turn)), device)
+                row["ms_graph"] = graph_ms(call, device)
                 row["gb_s_graph"] = nbytes / row["ms_graph"] / 1e6
             except Exception as e:  # a capture that fails leaves the column empty, and says why
                 row["graph_error"] = error_row(e)["error"]

@@ -32,9 +32,8 @@ def plot(doc: dict, png: str | Path) -> Path | None:
     panels = []
     for name, t in doc.get("tables", {}).items():
         keys = (tuple((k, "") for k in KINDS) if name == "profile" else VALUES.get(name, DEFAULT))
-        rows = [r for r in t.get("rows", []) if "error" in r or _value(r, keys) is not None]
-        if name == "profile":  # an error row has no kernel times to stack
-            rows = [r for r in rows if "error" not in r]
+        # an error row is drawn as its message, except in the profile: it has no kernel times to stack
+        rows = [r for r in t.get("rows", []) if ("error" in r and name != "profile") or _value(r, keys) is not None]
         if any("error" not in r for r in rows):
             panels.append((name, t, keys, rows))
     if not panels:
