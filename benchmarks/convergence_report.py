@@ -3,7 +3,7 @@ Uses `lowbit compare`'s own reading, table and plot; adds what compare cannot: r
 loss of every run at common steps (so a run that stopped early is still compared at the steps it reached). A run
 of another seed (`ENTRY+train.seed=S`, as `lowbit compare --seeds` names them) is paired with bf16 of that seed.
 
-  python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR]
+  python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR] [--window STEPS]
       [--command CMD --torch VERSION --date DATE]   (when RUNS_DIR has no compare.json: compare was stopped)
 """
 
@@ -23,6 +23,7 @@ p.add_argument("--device", default="NVIDIA H200")
 p.add_argument("--command", help="the call's compare command (its COMMAND line), when compare.json is missing")
 p.add_argument("--torch", help="torch version of the call, when compare.json is missing")
 p.add_argument("--date", help="date of the call, when compare.json is missing")
+p.add_argument("--window", type=int, default=64, help="steps in each training-loss window of the last table")
 a = p.parse_args()
 
 
@@ -85,5 +86,19 @@ for s in steps:
         cells.append("—" if v is None else f"{v:.4f}" + ("" if runs[r] is base_of(r) or ref is None
                                                          else f" ({_gap(v, ref):+.2f}%)"))
     print(f"| {s} | " + " | ".join(cells) + " |")
+# training loss over windows of --window steps ending at each validation step, and at where a cut run stopped: within
+# one epoch every step's batch is unseen text, the same for every run of a seed, so a window is a held-out sample
+# many times the validation set's size
+train = {r: dict(runs[r]["train"]) for r in order}
+ends = sorted({s for s, _ in base["val"]} | {runs[r]["steps"] for r in order})
+print(f"\nTraining loss, mean over the {a.window} steps ending at each step, gap to bf16 of the same seed:\n")
+print("| steps | " + " | ".join(order) + " |\n|---|" + "---:|" * len(order))
+for e in (e for e in ends if e >= a.window):
+    window, cells = range(e - a.window + 1, e + 1), []
+    for r in order:
+        t, ref = train[r], dict(base_of(r)["train"])
+        whole = all(k in t and k in ref for k in window)
+        cells.append(f"{_gap(sum(t[k] for k in window), sum(ref[k] for k in window)):+.2f}%" if whole else "—")
+    print(f"| {window[0]}–{e} | " + " | ".join(cells) + " |")
 slim = {**report, "runs": [{k: v for k, v in r.items() if k != "run_dir"} for r in report["runs"]]}
 (a.out / "convergence.json").write_text(json.dumps(slim, indent=0))

@@ -48,6 +48,24 @@ def test_compare_rerun_skips_finished_runs(compared, capsys):
     assert code == 2 and "another config" in err and len(err.strip().splitlines()) == 1
 
 
+def test_compare_last_n_sets_the_window_of_the_final_training_loss(compared, tmp_path, capsys):
+    import shutil
+
+    out = tmp_path / "out"
+    for r in RECIPES.split(","):  # the finished runs, reported again (skipped, not retrained)
+        shutil.copytree(compared / r, out / r)
+    code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--last-n", "3", *ARGS)
+    assert code == 0 and text.count("skipped, finished run") == 2 and "mean of the last 3 steps" in text
+    report = json.loads((out / "compare.json").read_text())
+    assert report["last_n"] == 3
+    for run in report["runs"]:
+        losses = [json.loads(line).get("loss") for line in (out / run["recipe"] / "metrics.jsonl").open()]
+        last = [x for x in losses if x is not None][-3:]
+        assert run["train_loss"] == pytest.approx(sum(last) / 3)
+    code, _, err = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--last-n", "0", *ARGS)
+    assert code == 2 and "--last-n 0" in err and len(err.strip().splitlines()) == 1
+
+
 def test_compare_resumes_or_restarts_unfinished_runs(compared, tmp_path, capsys):
     import shutil
 

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from lowbit.errors import LowbitError
 
-LAST_N = 10  # the final training loss is the mean of the last LAST_N steps: one batch's loss is noisy
+LAST_N = 10  # default --last-n: the final training loss is a mean over the last steps, one batch's loss is noisy
 # Keys that may differ between the config a run was started with and the one that continues it.
 CONTINUATION_KEYS = ("run.resume", "train.stop_at", "run.dir", "optim.cuda_graphs")  # how, not what, it trains
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -62,6 +62,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                  "process (output in OUT/<recipe>.log) on the next free device of "
                                                  "this list, e.g. cuda:0,cuda:1 (a device named twice takes two "
                                                  "runs at once); empty: one after another in this process")
+    p.add_argument("--last-n", type=int, default=LAST_N, help="the final training loss is the mean over the last "
+                                                              "N steps (default %(default)s); within one epoch "
+                                                              "each is a loss on unseen text, so a longer window "
+                                                              "is a larger held-out sample than one validation")
 
 
 def parse_devices(text: str) -> list[str]:
@@ -330,14 +334,14 @@ def run_concurrently(cfgs: dict, actions: dict, devices: list[str], out: Path) -
         raise LowbitError(f"compare: {', '.join(failed)} failed: see the end of {logs}")
 
 
-def read_run(run_dir: Path, low_precision: bool) -> dict:
+def read_run(run_dir: Path, low_precision: bool, last_n: int = LAST_N) -> dict:
     from lowbit.tools.inspect import load_telemetry, ranked
 
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     train = [(r["step"], r["loss"]) for r in records if r.get("loss") is not None]
     val = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     tps = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    last = [v for _, v in train[-LAST_N:]]
+    last = [v for _, v in train[-last_n:]]
     reached = max((r["step"] for r in records if "loss" in r), default=0)  # a step with a non-finite loss counts
     out = {"run_dir": str(run_dir), "steps": reached, "train": train, "val": val,
            "train_loss": sum(last) / len(last) if last else None, "val_loss": val[-1][1] if val else None,
@@ -376,7 +380,8 @@ def _moments(moments: dict | None) -> str:
 def table(report: dict) -> str:
     base = report["baseline"]
     lines = [f"{report['device']} | torch {report['torch']} | {report['date']} | `{report['command']}`", "",
-             f"final train loss: mean of the last {LAST_N} steps; final val loss: the last validation; "
+             f"final train loss: mean of the last {report.get('last_n', LAST_N)} steps; "
+             f"final val loss: the last validation; "
              f"gaps relative to {base}{' of the same seed' if report.get('seeds') else ''}"
              f"{'' if base == 'bf16' else ' (bf16 is not in --recipes)'}; tokens/s: "
              f"median of the logged windows; worst underflow (% of non-zeros flushed to zero) and saturation "
@@ -449,6 +454,8 @@ def run(a: argparse.Namespace) -> int:
 
     if world_size() > 1:
         raise LowbitError("compare: runs its recipes one after another in one process; start it without torchrun")
+    if a.last_n < 1:
+        raise LowbitError(f"compare: --last-n {a.last_n}: give a number of steps >= 1")
     entries = parse_recipes(a.recipes)
     runs_of = with_seeds(entries, parse_seeds(a.seeds), a.train)  # name -> (recipe, overrides, entry, seed)
     recipes = list(runs_of)
@@ -466,10 +473,10 @@ def run(a: argparse.Namespace) -> int:
 
     base = "bf16" if "bf16" in entries else next(iter(entries))
     base_of = {r: base if seed is None else f"{base}+train.seed={seed}" for r, (_, _, _, seed) in runs_of.items()}
-    runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[runs_of[r][0]].linear is not None) for r in recipes}
+    runs = {r: read_run(Path(cfgs[r].run.dir), RECIPES[runs_of[r][0]].linear is not None, a.last_n) for r in recipes}
     report = {"device": _device_name(cfgs[base_of[recipes[0]]]), "torch": torch.__version__,
               "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-              "command": a.command, "baseline": base, "last_n": LAST_N, "runs": []}
+              "command": a.command, "baseline": base, "last_n": a.last_n, "runs": []}
     for r in recipes:
         run_, ref = runs[r], runs[base_of[r]]
         report["runs"].append({"recipe": r, "entry": runs_of[r][2], "seed": runs_of[r][3],
