@@ -25,6 +25,8 @@ p.add_argument("--torch", help="torch version of the call, when compare.json is 
 p.add_argument("--date", help="date of the call, when compare.json is missing")
 p.add_argument("--window", type=int, default=64, help="steps in each training-loss window of the last table")
 a = p.parse_args()
+if a.window < 1:
+    p.error(f"--window {a.window}: give a number of steps >= 1")
 
 
 def low_precision(name: str) -> bool:  # a run dir is named by its --recipes entry, maybe a variant RECIPE+key=value
@@ -90,13 +92,14 @@ for s in steps:
 # one epoch every step's batch is unseen text, the same for every run of a seed, so a window is a held-out sample
 # many times the validation set's size
 train = {r: dict(runs[r]["train"]) for r in order}
+ref_train = {r: dict(base_of(r)["train"]) for r in order}  # each run's bf16, read once
 ends = sorted({s for s, _ in base["val"]} | {runs[r]["steps"] for r in order})
 print(f"\nTraining loss, mean over the {a.window} steps ending at each step, gap to bf16 of the same seed:\n")
 print("| steps | " + " | ".join(order) + " |\n|---|" + "---:|" * len(order))
 for e in (e for e in ends if e >= a.window):
     window, cells = range(e - a.window + 1, e + 1), []
     for r in order:
-        t, ref = train[r], dict(base_of(r)["train"])
+        t, ref = train[r], ref_train[r]
         whole = all(k in t and k in ref for k in window)
         cells.append(f"{_gap(sum(t[k] for k in window), sum(ref[k] for k in window)):+.2f}%" if whole else "—")
     print(f"| {window[0]}–{e} | " + " | ".join(cells) + " |")
