@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import shutil
 import weakref
 
 import torch
@@ -28,10 +30,12 @@ from torch.distributed.tensor import DTensor
 from lowbit.backward_end import at_backward_end
 from lowbit.errors import LowbitError
 from lowbit.optim.graphs import Graphed, key_of
-from lowbit.optim.precision import KINDS, StatePrecision, decode, encode, stochastic_round
+from lowbit.optim.precision import KINDS, StatePrecision, _pow2_scale, decode, encode, stochastic_round, store
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
 CHUNK = 8  # tensors per compiled call (update, gradient store): few calls, yet graphs that compile in seconds
+SPAN = 1 << 16  # elements per slice of the eager CPU update: its fp32 temporaries stay in cache
+CPU_COMPILE = 1 << 22  # on a CPU, the update of tensors this large is compiled (see LowbitAdamW._compiles)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -139,41 +143,82 @@ def _store_waiting() -> None:
         _store_run(run)
 
 
-def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
-            kinds: tuple[str, str, str, str]):
-    """One AdamW step in fp32 on stored states (in place). `step`, `lr`: 0-dim tensors (no recompiles). `kinds`:
-    the storage of exp_avg, exp_avg_sq, master, and how the three are rounded."""
-    k_m, k_v, k_master, rounding = kinds
+def _fresh(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
+           kinds, weights: bool = True):
+    """The updated moments (and weights, if `weights`) in fp32, from stored states: AdamW's math, elementwise, so
+    any slice of the tensors gives that slice of the result. `step`, `lr`: 0-dim tensors (no recompiles)."""
+    k_m, k_v, k_master, _ = kinds
     g = decode(g, g_kind, g_scale)
-    step += 1
-    m32 = decode(m, k_m, m_scale).lerp_(g, 1 - beta1)
-    v32 = decode(v, k_v, v_scale).mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    t = step + 1
+    m32 = decode(m, k_m, m_scale).lerp(g, 1 - beta1)  # out of place: an fp32 state decodes to itself
+    v32 = (decode(v, k_v, v_scale) * beta2).addcmul_(g, g, value=1 - beta2)
+    if not weights:
+        return m32, v32, None
     w = decode(master, k_master, master_scale) if k_master != "none" else p.float()
     w = w * (1 - lr * wd)
-    denom = (v32.sqrt() / torch.sqrt(1 - beta2 ** step)).add_(eps)
-    w = w - (lr / (1 - beta1 ** step)) * m32 / denom
-    encode(m32, k_m, m_scale, out=m, rounding=rounding)
-    encode(v32, k_v, v_scale, out=v, rounding=rounding)
-    if k_master != "none":  # a low-precision master loses updates under half its ulp unless rounded stochastically
-        encode(w, k_master, master_scale, out=master, rounding=rounding)
-    elif rounding == "stochastic" and p.dtype == torch.bfloat16:  # bf16 weights are their own master: the same
-        w = stochastic_round(w, "bf16")
-    p.copy_(w)
+    denom = (v32.sqrt() / torch.sqrt(1 - beta2 ** t)).add_(eps)
+    return m32, v32, w - (lr / (1 - beta1 ** t)) * m32 / denom
 
 
-def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds):
-    """Every tensor of a group: one compiled graph on GPU (one launch of guards, kernels fused per tensor)."""
+def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
+            kinds: tuple[str, str, str, str], span: int | None = None):
+    """One AdamW step in fp32 on stored states (in place), in two passes over memory (MS-AMP's two stages): the
+    amaxes of the new states give their scales, then the states are computed again and written with them, so no
+    fp32 copy of a state is kept. `span`: elements per slice (None: the whole tensor in one piece), so a CPU's
+    temporaries stay in cache. `kinds`: the storage of exp_avg, exp_avg_sq, master, and how the three are rounded."""
+    k_m, k_v, k_master, rounding = kinds
+    has_master = k_master != "none"
+    tensors = (p, g, m, v, master)  # `master` may be a 0-dim placeholder
+    n = p.numel()
+    if span is None or span >= n or not all(t.is_contiguous() for t in tensors):
+        pieces = [tensors]
+    else:
+        flat = [t.view(-1) if t.dim() else t for t in tensors]
+        pieces = [[t[i:i + span] if t.dim() else t for t in flat] for i in range(0, n, span)]
+
+    def fresh(piece, weights):
+        pp, gg, mm, vv, ww = piece
+        return _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww, master_scale, step, wd, lr, beta1,
+                      beta2, eps, kinds, weights)
+
+    scaled = [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
+              if k != "none" and KINDS[k][1]]
+    new = {}  # name -> the state's new scale
+    if scaled:  # pass one: the amaxes (per slice, combined); nothing written
+        amax = None
+        for piece in pieces:
+            m32, v32, w = fresh(piece, weights=scaled[-1][0] == "w")
+            now = torch.stack([{"m": m32, "v": v32, "w": w}[n].abs().amax() for n, _, _ in scaled])
+            amax = now if amax is None else torch.maximum(amax, now)
+        new = {n: _pow2_scale(amax[i], KINDS[k][2], s) for i, (n, k, s) in enumerate(scaled)}
+    for piece in pieces:  # pass two: the states again, written with their new scales
+        m32, v32, w = fresh(piece, True)
+        store(m32, k_m, new.get("m", m_scale), out=piece[2], rounding=rounding)
+        store(v32, k_v, new.get("v", v_scale), out=piece[3], rounding=rounding)
+        if has_master:  # a low-precision master loses updates under half its ulp unless rounded stochastically
+            store(w, k_master, new.get("w", master_scale), out=piece[4], rounding=rounding)
+        elif rounding == "stochastic" and p.dtype == torch.bfloat16:  # bf16 weights are their own master: the same
+            w = stochastic_round(w, "bf16")
+        piece[0].copy_(w)
+    for n, _, s in scaled:
+        s.copy_(new[n])
+    step += 1
+
+
+def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None):
+    """Every tensor of a chunk: one compiled graph on GPU (one launch of guards, kernels fused per tensor)."""
     for item in items:
-        _update(*item, lr, beta1, beta2, eps, kinds)
+        _update(*item, lr, beta1, beta2, eps, kinds, span)
 
 
 def _chunks(items: list[tuple]) -> list[list[tuple]]:
-    """Runs of CHUNK items with the same weight decay. The update is compiled with dynamic shapes, so every full
-    chunk, whatever its tensors' shapes, reuses one graph (plus one for a shorter last chunk)."""
-    by_wd: dict[float, list[tuple]] = {}
+    """Runs of CHUNK items of one shape and weight decay. The update is compiled for static shapes (traced with
+    dynamic ones, its amax reductions ran on a handful of the GPU's cores: fp8lm-o2's update took 10 s at `7b`),
+    so a chunk holds tensors of one shape, and a model's few weight shapes give a few graphs."""
+    runs: dict[tuple, list[tuple]] = {}
     for item in items:
-        by_wd.setdefault(item[-1], []).append(item)
-    return [run[i:i + CHUNK] for run in by_wd.values() for i in range(0, len(run), CHUNK)]
+        runs.setdefault((item[-1], tuple(item[0].shape)), []).append(item)
+    return [run[i:i + CHUNK] for run in runs.values() for i in range(0, len(run), CHUNK)]
 
 
 def _without_duck_sizing(compiled):
@@ -184,6 +229,15 @@ def _without_duck_sizing(compiled):
     @functools.wraps(compiled)
     def call(*args, **kwargs):
         with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+    return call
+
+
+def _with_recompile_limit(compiled, limit: int = 64):
+    """`compiled` allowed `limit` graphs (dynamo's default, 8, would send a model's ninth chunk shape to eager)."""
+    @functools.wraps(compiled)
+    def call(*args, **kwargs):
+        with torch._dynamo.config.patch(recompile_limit=limit):
             return compiled(*args, **kwargs)
     return call
 
@@ -334,13 +388,25 @@ class LowbitAdamW(torch.optim.Optimizer):
             return run()
         return self._graphed.setdefault((what, device), Graphed(device))(key_of(touched()), run)
 
-    def _fn(self, fn, device: torch.device):
-        """`fn`, compiled where it pays (GPU, unless the constructor's `compile` says otherwise)."""
-        use = self._compile if self._compile is not None else device.type == "cuda"
-        if not use:
+    def _compiles(self, fn, device: torch.device, numel: int = 0) -> bool:
+        """Whether `fn` runs compiled: on a GPU, and on a CPU the update of tensors of CPU_COMPILE elements or more
+        (inductor's C++ kernel fuses it: about 5x faster there, worth its ~25 s of compiling) where a C++ compiler
+        is found; the constructor's `compile` decides if given."""
+        if self._compile is not None:
+            return self._compile
+        if device.type == "cuda":
+            return True
+        return fn is _update_all and numel >= CPU_COMPILE and shutil.which(os.environ.get("CXX", "g++")) is not None
+
+    def _fn(self, fn, device: torch.device, numel: int = 0):
+        """`fn`, compiled where it pays (see _compiles)."""
+        if not self._compiles(fn, device, numel):
             return fn
         if fn.__name__ not in self._compiled:
-            self._compiled[fn.__name__] = _without_duck_sizing(torch.compile(fn, dynamic=True))
+            if fn is _update_all:  # static shapes (see _chunks): a graph per weight shape and chunk length
+                self._compiled[fn.__name__] = _with_recompile_limit(torch.compile(fn, dynamic=False))
+            else:
+                self._compiled[fn.__name__] = _without_duck_sizing(torch.compile(fn, dynamic=True))
         return self._compiled[fn.__name__]
 
     @torch.no_grad()
@@ -388,11 +454,15 @@ class LowbitAdamW(torch.optim.Optimizer):
                 lr = self._lr[(gi, device)] = torch.zeros((), device=device)
             lr.fill_(group["lr"])
             kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master, prec.rounding)
-            updates[device] += [(chunk, lr, beta1, beta2, group["eps"], kinds) for chunk in _chunks(items)]
+            for chunk in _chunks(items):  # eager on a CPU: in slices; compiled: whole tensors, fused
+                numel = chunk[0][0].numel()
+                span = None if self._compiles(_update_all, device, numel) else SPAN
+                updates[device].append((self._fn(_update_all, device, numel),
+                                        (chunk, lr, beta1, beta2, group["eps"], kinds, span)))
         for device, calls in updates.items():
             def run(device=device, calls=calls):
-                for call in calls:
-                    self._fn(_update_all, device)(*call)
+                for fn, args in calls:
+                    fn(*args)
 
             self._replayed("update", device, lambda calls=calls: calls, run)
         return loss
