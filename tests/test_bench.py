@@ -19,8 +19,10 @@ SHAPES = {
     "block": ["--preset", "tiny", "--batch", "2", "--seq", "16"],
     "step": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "memory": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
+    "optim": ["--preset", "tiny", "--seq", "16", "--vocab", "256", "--recipes", "fp8-tensorwise,fp8lm-o2"],
 }
-TABLE = {"gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory"}
+TABLE = {"gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
+         "optim": "optim"}
 
 
 @pytest.mark.parametrize("what", list(SHAPES))
@@ -46,7 +48,7 @@ def test_bench_subcommand(what, tmp_path, capsys):
         assert {"bf16", "lowbit fp8-tensorwise"} <= names
     if what != "gemm" and torchao_module() is None:
         assert "torchao is not installed" in stdout
-    if what in ("gemm", "linear", "mlp", "block", "step"):
+    if what in ("gemm", "linear", "mlp", "block", "step", "optim"):
         assert all(r["ms"] > 0 and len(r["ms_each"]) == 1 for r in rows if r["variant"] != "memory floor (one pass)")
     if what == "mlp":
         quantize = doc["tables"]["quantize"]["rows"]
@@ -57,6 +59,10 @@ def test_bench_subcommand(what, tmp_path, capsys):
         assert all(r["tokens_per_s"] > 0 and r["flops_per_token"] > 0 and r["ms_in_a_row"] > 0 for r in rows)
         fp8 = next(r for r in rows if r["variant"] == "lowbit fp8-tensorwise")
         assert fp8["speedup_in_a_row_vs_bf16"] > 0
+    if what == "optim":  # fp32 AdamW moves 28 bytes a parameter; fp8lm-o2's covered weights 11
+        bf16, o2 = (next(r for r in rows if r["variant"] == v) for v in ("bf16", "lowbit fp8lm-o2"))
+        assert bf16["bytes_per_param"] == 28 and 11 < o2["bytes_per_param"] < 28 and o2["gb_per_s"] > 0
+        assert o2["vs_fp32_adamw"] == pytest.approx(o2["ms"] / bf16["ms"])
     if what == "memory":
         bf16 = next(r for r in rows if r["variant"] == "bf16")
         fp8 = next(r for r in rows if r["variant"] == "lowbit fp8-tensorwise")
@@ -87,9 +93,11 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     (["gemm", "--recipes", "bf16"], "--recipes"),  # options a subcommand does not read are refused
     (["gemm", "--eager"], "--eager"),
     (["memory", "--steps", "3"], "--steps"),
-    (["step", "--preset", "13b"], "13b"),
+    (["step", "--preset", "65b"], "65b"),
     (["memory", "--preset", "1b", "--vocab", "50000"], "--vocab"),
-    (["block", "--preset", "13b"], "13b"),
+    (["block", "--preset", "65b"], "65b"),
+    (["optim", "--shape", "4096"], "--shape"),
+    (["step", "--max-batch", "-1"], "--max-batch"),
     (["mlp", "--recipes", "fp8lm-o2+optim.rounding=stochastic"], "bench step"),  # a variant is a trainer's setting
     (["step", "--recipes", "fp8lm-o2+optim.nope=1"], "nope"),
     (["step", "--recipes", "fp8lm-o2+optim.rounding=up"], "optim.rounding"),
@@ -113,7 +121,7 @@ def test_bench_out_is_valid_json_from_the_start_and_absent_after_bad_input(tmp_p
     from lowbit.tools.bench.common import Report
 
     out = tmp_path / "o.json"
-    code, _, _ = cli(capsys, "bench", "step", "--preset", "13b", "--out", out)
+    code, _, _ = cli(capsys, "bench", "step", "--preset", "65b", "--out", out)
     assert code == 2 and not out.exists()
     Report("gemm", {"device": "cpu"}, {}, str(out))
     doc = json.loads(out.read_text())
@@ -231,3 +239,51 @@ def test_bench_step_variant_computes_attention_with_its_kernel(tmp_path, capsys,
                      "--recipes", "fp8-tensorwise+model.sdpa_backend=math", "--out", tmp_path / "step.json")
     assert code == 0
     assert seen == {"math"}
+
+
+def test_bench_optim_one_weight(tmp_path, capsys):
+    out = tmp_path / "o.json"
+    code, _, _ = cli(capsys, "bench", "optim", *FAST, "--shape", "64x48", "--recipes", "fp8lm-o3", "--out", out)
+    assert code == 0
+    rows = json.loads(out.read_text())["tables"]["optim"]["rows"]
+    o3 = next(r for r in rows if r["variant"] == "lowbit fp8lm-o3")
+    assert o3["params_m"] == pytest.approx(64 * 48 / 1e6) and o3["covered_pct"] == 100
+    assert o3["bytes_per_param"] == 2 + 1 + 1 + 2 + 1 + 2 + 2 + 2  # read master, grad, m, v; write m, v, w, master
+
+
+def test_bench_step_max_batch_finds_the_largest_batch_that_fits(tmp_path, capsys, monkeypatch):
+    """Out of memory above 5 sequences (a stand-in for the GPU's limit): the search tries 1, 2, 4, 8, 6, 5 and
+    times the step at 5."""
+    import torch
+
+    from lowbit.tools.bench import capacity
+
+    real = capacity._step_fn
+
+    def limited(fwd, opt, device):
+        step = real(fwd, opt, device)
+
+        def run(x, y):
+            if x.shape[0] > 5:
+                raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+            step(x, y)
+        return run
+
+    monkeypatch.setattr(capacity, "_step_fn", limited)
+    out = tmp_path / "o.json"
+    code, _, _ = cli(capsys, "bench", "step", *FAST, *SHAPES["step"], "--max-batch", "16", "--torchao", "none",
+                     "--out", out)
+    assert code == 0
+    rows = json.loads(out.read_text())["tables"]["capacity"]["rows"]
+    assert [r["max_batch"] for r in rows] == [5, 5]
+    assert rows[0]["tried"] == "1, 2, 4, 8 (oom), 6 (oom), 5"
+    assert all(r["tokens_per_s"] == pytest.approx(5 * 16 / (r["ms"] / 1e3)) for r in rows)
+    assert rows[0]["tokens_vs_bf16"] == 1
+
+
+def test_largest_batch_search():
+    from lowbit.tools.bench.capacity import largest_batch
+
+    for cap in range(1, 20):
+        for limit in range(0, 24):
+            assert largest_batch(lambda b: b <= limit, cap) == min(limit, cap)

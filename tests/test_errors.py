@@ -50,7 +50,7 @@ def dataset(tmp_path_factory) -> Path:
     (["--checkpoint.every", "-1"], ["checkpoint.every"]),
     (["--model.dim", "100", "--model.n_heads", "3"], ["model.dim", "model.n_heads"]),
     (["--model.n_heads", "4", "--model.n_kv_heads", "3"], ["model.n_heads", "model.n_kv_heads"]),
-    (["--model.preset", "13b"], ["model.preset"]),
+    (["--model.preset", "65b"], ["model.preset"]),
     (["--recipe", "fp3"], ["recipe"]),
     (["--train.dtype", "fp16"], ["train.dtype"]),
     (["--parallel.cp_layout", "ring"], ["parallel.cp_layout", "'ring' is not one of zigzag, plain"]),

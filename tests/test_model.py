@@ -122,6 +122,39 @@ def test_7b_preset_size():
     assert model.num_params() == 6_738_415_616  # LLaMA-7B
 
 
+def test_13b_preset_size():
+    args = resolve_model_args(ModelConfig(preset="13b"), vocab_size=32000, seq_len=2048)
+    assert (args.dim, args.n_layers, args.n_heads, args.ffn_dim) == (5120, 40, 40, 13824)
+    with torch.device("meta"):
+        model = Llama(args)
+    assert model.num_params() == 13_015_864_320  # LLaMA-13B
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "performer"])
+def test_a_model_built_on_meta_and_materialized_starts_as_a_plain_build(attention):
+    """The trainer builds on the meta device and initializes on the training device (lowbit.models.init): the
+    same weights, buffers and performer features as a model built plainly on the CPU from the same seed, and
+    another seed gives others."""
+    from lowbit.models.init import materialize
+
+    args = resolve_model_args(ModelConfig(preset="tiny", n_layers=2, attention=attention), vocab_size=512,
+                              seq_len=64)
+    torch.manual_seed(7)
+    plain = Llama(args)
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        meta = Llama(args)
+    materialize(meta, "cpu")
+    a, b = plain.state_dict(), meta.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert torch.equal(plain.rope_cos, meta.rope_cos) and torch.equal(plain.rope_sin, meta.rope_sin)
+    torch.manual_seed(8)
+    other = Llama(args)
+    assert not torch.equal(other.layers[0].attention.wq.weight, plain.layers[0].attention.wq.weight)
+    w = [p for n, p in plain.named_parameters() if "norm" not in n]  # every tensor its own stream
+    assert all(not torch.equal(x.flatten()[:16], y.flatten()[:16]) for x, y in zip(w, w[1:]))
+
+
 def test_every_preset_builds_on_meta():
     for name in PRESETS:
         args = resolve_model_args(ModelConfig(preset=name), vocab_size=4096, seq_len=128)

@@ -17,9 +17,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lowbit.errors import LowbitError
+from lowbit.models.init import init_parameters, param_seed, residual_std
 from lowbit.models.performer import Performer, default_features
 
-# Architecture presets. `1b` is exactly TinyLlama-1.1B; `7b` is LLaMA-7B. vocab_size None: from the tokenizer.
+# Architecture presets. `1b` is exactly TinyLlama-1.1B; `7b` and `13b` are LLaMA-7B and LLaMA-13B. vocab_size None: from the tokenizer.
 PRESETS: dict[str, dict] = {
     "tiny": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_multiple_of=32, vocab_size=None,
                  rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True),
@@ -31,6 +32,8 @@ PRESETS: dict[str, dict] = {
                vocab_size=32000, rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=False),
     "7b": dict(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, ffn_dim=11008, ffn_multiple_of=256,
                vocab_size=32000, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False),
+    "13b": dict(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, ffn_dim=13824, ffn_multiple_of=256,
+                vocab_size=32000, rope_theta=10000.0, norm_eps=1e-6, tie_embeddings=False),
 }
 
 
@@ -308,28 +311,38 @@ class Llama(nn.Module):
     def __init__(self, a: ModelArgs):
         super().__init__()
         self.args = a
+        # the base seed of the init streams, drawn first: the submodules' own default inits draw after it
+        self.init_seed = int(torch.randint(0, 1 << 62, (), dtype=torch.int64, device="cpu"))
         self.tok_embeddings = nn.Embedding(a.vocab_size, a.dim)
         self.layers = nn.ModuleList(Block(a) for _ in range(a.n_layers))
         self.norm = RMSNorm(a.dim, a.norm_eps)
         self.output = None if a.tie_embeddings else nn.Linear(a.dim, a.vocab_size, bias=False)
-        cos, sin = rope_tables(a.head_dim, a.max_seq_len, a.rope_theta)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-        self.reset_parameters()
+        self.register_buffer("rope_cos", torch.empty(a.max_seq_len, a.head_dim), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(a.max_seq_len, a.head_dim), persistent=False)
+        if self.rope_cos.device.type != "meta":  # on meta: lowbit.models.init.materialize initializes later
+            self.init_buffers()
+            self.reset_parameters()
+
+    def init_buffers(self) -> None:
+        cos, sin = rope_tables(self.args.head_dim, self.args.max_seq_len, self.args.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def reset_parameters(self) -> None:
-        """GPT-2/LLaMA-style init: N(0, std) everywhere, residual projections (wo, w2) scaled by 1/sqrt(2L)."""
-        std = self.args.init_std
-        for name, p in self.named_parameters():
+        """GPT-2/LLaMA-style init: N(0, std) everywhere, residual projections (wo, w2) scaled by 1/sqrt(2L); each
+        tensor from its own stream (lowbit.models.init), seeded by the global RNG."""
+        std, n_layers = self.args.init_std, self.args.n_layers
+
+        def std_of(name: str) -> float | None:
             if name.endswith("norm.weight"):
-                nn.init.ones_(p)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.args.n_layers))
-            else:
-                nn.init.normal_(p, 0.0, std)
-        for m in self.modules():  # after the weights, so a performer model starts from the sdpa model's weights
+                return None  # ones
+            return residual_std(std, n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+
+        init_parameters(self, std_of, self.init_seed)
+        g = torch.Generator().manual_seed(param_seed(self.init_seed, "performer features"))
+        for m in self.modules():  # a stream apart, so a performer model starts from the sdpa model's weights
             if isinstance(m, Performer):
-                m.redraw()
+                m.redraw(g)
 
     def __getstate__(self):
         # a copy or pickle drops a compiled `head` bound to this instance (lowbit.train.compile); it runs eagerly

@@ -183,16 +183,19 @@ def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale,
 
     scaled = [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
               if k != "none" and KINDS[k][1]]
-    new = {}  # name -> the state's new scale
+    # One piece in eager mode: pass one's values are kept for pass two (small tensors: half the launches). Compiled,
+    # they are computed twice, so the reduction and the writes stay apart (see _chunks).
+    keep = len(pieces) == 1 and not torch.compiler.is_compiling()
+    new, kept = {}, None  # name -> the state's new scale; pass one's values
     if scaled:  # pass one: the amaxes (per slice, combined); nothing written
         amax = None
         for piece in pieces:
-            m32, v32, w = fresh(piece, weights=scaled[-1][0] == "w")
+            m32, v32, w = kept = fresh(piece, weights=keep or scaled[-1][0] == "w")
             now = torch.stack([{"m": m32, "v": v32, "w": w}[n].abs().amax() for n, _, _ in scaled])
             amax = now if amax is None else torch.maximum(amax, now)
         new = {n: _pow2_scale(amax[i], KINDS[k][2], s) for i, (n, k, s) in enumerate(scaled)}
     for piece in pieces:  # pass two: the states again, written with their new scales
-        m32, v32, w = fresh(piece, True)
+        m32, v32, w = kept if keep and kept is not None else fresh(piece, True)
         store(m32, k_m, new.get("m", m_scale), out=piece[2], rounding=rounding)
         store(v32, k_v, new.get("v", v_scale), out=piece[3], rounding=rounding)
         if has_master:  # a low-precision master loses updates under half its ulp unless rounded stochastically

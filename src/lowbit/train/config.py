@@ -28,7 +28,7 @@ def opt(default, help: str, **kw):
 
 @dataclass
 class ModelConfig:
-    preset: str = opt("tiny", "architecture preset: tiny | 125m | 350m | 1b | 7b; fields below override it")
+    preset: str = opt("tiny", "architecture preset: tiny | 125m | 350m | 1b | 7b | 13b; fields below override it")
     dim: int | None = opt(None, "model width (preset)")
     n_layers: int | None = opt(None, "number of transformer blocks (preset)")
     n_heads: int | None = opt(None, "attention heads (preset)")

@@ -39,6 +39,7 @@ from lowbit.optim.memory import format_report, memory_report
 from lowbit.recipes import convert, covered_linears, get_recipe, with_dge, with_filters, with_scaling
 from lowbit.scaling import reports_held
 from lowbit.train import checkpoint as ckpt
+from lowbit.models.init import materialize
 from lowbit.train.compile import compile_model, eager
 from lowbit.train.config import Config, optim_precision, to_dict, to_toml
 from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, plot_losses, progress_line,
@@ -252,7 +253,9 @@ def train(cfg: Config) -> dict:
     # ---- build ----
     torch.manual_seed(t.seed)
     random.seed(t.seed)
-    model = Llama(args).to(device)
+    with torch.device("meta"):  # built without memory, initialized where it trains (seconds at 7b)
+        model = Llama(args)
+    materialize(model, device)
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)  # before any split
     conversion = convert(model, recipe)
     model_keys = set(model.state_dict())  # the whole model's, before any split: what a checkpoint must hold

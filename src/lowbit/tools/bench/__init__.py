@@ -1,4 +1,4 @@
-"""`lowbit bench gemm | linear | mlp | block | step | memory`: bf16, lowbit's recipes and (where installed) torchao's
+"""`lowbit bench gemm | linear | mlp | block | step | memory | optim`: bf16, lowbit's recipes and (where installed)
 float8 recipes measured in one process; each prints its tables with the device, torch version, date and command,
 and --out writes them as JSON with the same metadata.
 
@@ -21,6 +21,7 @@ WHAT = {
     "block": "one LLaMA block of a preset fwd+bwd per recipe",
     "step": "a training step of a preset per recipe: tokens/s, MFU, peak memory",
     "memory": "bytes saved for backward by a preset's forward per recipe, and peak memory",
+    "optim": "the optimizer step alone per recipe on a preset's parameters: ms, GB/s against the bytes it moves",
 }
 
 # (GPU default, CPU default) of each shape option
@@ -81,16 +82,30 @@ def add_args(p: argparse.ArgumentParser) -> None:
             _mlp_shape(s)
         else:
             _preset_shape(s, vocab=what != "block")
+        if what == "optim":
+            s.add_argument("--shape", default="", help="one weight OUTxIN (e.g. 4096x11008) instead of a preset")
         if what in ("step", "memory"):
             s.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                            help="with --compile: each block and the head compiled on its own (blocks, the trainer's "
                                 "default) or the whole model as one graph (model)")
         if what == "step":
+            s.add_argument("--max-batch", type=int, default=0, metavar="N",
+                           help="instead: per recipe, the largest micro-batch up to N that fits in memory, and "
+                                "tokens/s there (a `capacity` table)")
             s.add_argument("--profile", action="store_true",
                            help="also time forward, backward and optimizer apart and, on a GPU, sum one step's "
                                 "kernel time by kind (GEMM, attention, fused, aten) with the GPU's idle time")
         if what == "mlp":
             s.add_argument("--no-quantize", action="store_true", help="skip the quantization timing")
+
+
+def _shape(text: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise LowbitError(f"bench: --shape {text!r} is not OUTxIN, e.g. 4096x11008")
+    return int(parts[0]), int(parts[1])
 
 
 def _resolve(a: argparse.Namespace, device) -> None:
@@ -104,14 +119,18 @@ def _resolve(a: argparse.Namespace, device) -> None:
     for key, (on_gpu, on_cpu) in DEFAULTS.items():
         if hasattr(a, key) and getattr(a, key) is None:
             setattr(a, key, on_gpu if gpu else on_cpu)
-    if getattr(a, "compile", False) is None:
+    if getattr(a, "compile", False) is None and a.what != "optim":  # optim: None is the optimizer's own choice
         a.compile = gpu
+    if getattr(a, "max_batch", 0) < 0:
+        raise LowbitError("bench: --max-batch must be 0 (off) or more")
     for key in ("steps", "tokens", "dim", "hidden", "batch", "seq", "vocab"):
         if getattr(a, key, 1) < 1:
             raise LowbitError(f"bench: --{key} must be at least 1")
     if getattr(a, "warmup", 0) < 0:
         raise LowbitError("bench: --warmup must be 0 or more")
-    if a.what in ("block", "step", "memory"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
+    if a.what == "optim":
+        a.shape = _shape(a.shape)
+    if a.what in ("block", "step", "memory", "optim"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
         a.model_args = preset_args(a.preset, a.seq, getattr(a, "vocab", 32000))
     if a.what != "gemm":
         a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16, variants=a.what == "step")
@@ -137,8 +156,12 @@ def run(a: argparse.Namespace) -> int:
         from lowbit.tools.bench import layers
 
         fn = getattr(layers, f"run_{a.what}")
+    elif a.what == "step" and a.max_batch:
+        from lowbit.tools.bench.capacity import run_capacity as fn
     elif a.what == "step":
         from lowbit.tools.bench.step import run_step as fn
+    elif a.what == "optim":
+        from lowbit.tools.bench.optim import run_optim as fn
     else:
         from lowbit.tools.bench.memory import run_memory as fn
     fn(a, device, report)

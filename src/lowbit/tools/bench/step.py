@@ -19,6 +19,7 @@ from lowbit.train.compile import compile_model
 
 def build(args, v, device: torch.device):
     """Model of ModelArgs `args` (converted as the variant says) and the trainer's optimizer for it."""
+    from lowbit.models.init import materialize
     from lowbit.models.llama import Llama
     from lowbit.recipes import convert, get_recipe
     from lowbit.tools.compare import split_entry
@@ -29,7 +30,9 @@ def build(args, v, device: torch.device):
     cfg = load_config(None, ["--recipe", recipe_name, *overrides])
     torch.manual_seed(0)
     args = dataclasses.replace(args, checkpointing=cfg.model.checkpointing, sdpa_backend=cfg.model.sdpa_backend)
-    model = Llama(args).to(device)
+    with torch.device("meta"):  # built without memory, initialized where it trains (seconds at 7b)
+        model = Llama(args)
+    materialize(model, device)
     recipe = get_recipe(recipe_name)
     convert(model, recipe)
     if v.impl == "torchao":

@@ -1,0 +1,104 @@
+"""`lowbit bench step --max-batch N`: per recipe, the largest micro-batch (up to N sequences of --seq tokens) whose
+training step fits in the GPU's memory, and the step's speed there: what a recipe's memory savings buy. One
+model and optimizer per variant; batch sizes doubled until a step runs out of memory, then bisected; each tried
+size runs one whole step (forward, backward, clipping, update), so the optimizer's states and the compiled
+graphs' workspaces count. Activation checkpointing is a variant like any other setting:
+`fp8lm-o2+model.checkpointing=full`."""
+
+from __future__ import annotations
+
+import gc
+
+import torch
+
+from lowbit.scaling import reports_held
+from lowbit.tools.bench.common import Report, Table, error_row, release, sync, time_ms, variants
+from lowbit.tools.bench.step import autocast, batch, build
+from lowbit.train.compile import compile_model
+
+
+def _step_fn(fwd, opt, device):
+    def step(x, y):
+        with autocast(device):
+            loss = fwd(x, y)
+        with reports_held():
+            loss.backward()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def largest_batch(fits, cap: int) -> int:
+    """The largest b in 1..cap with fits(b) (0 if none), fits being monotone: doubling, then bisection."""
+    lo, b = 0, 1  # lo: the largest size known to fit
+    while b <= cap and fits(b):
+        lo, b = b, b * 2
+    hi = b  # the smallest size known not to fit (or, past cap, one above what may be tried)
+    if b > cap:
+        if lo == cap or fits(cap):
+            return cap
+        hi = cap
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+def run_capacity(a, device: torch.device, report: Report) -> None:
+    mode = f"compiled ({a.compile_scope})" if a.compile else "eager"
+    t = report.table(Table("capacity", f"largest micro-batch per recipe, `{a.preset}`, seq {a.seq}, {mode}",
+                           [("variant", "variant", ""), ("max_batch", "max batch", "d"),
+                            ("ms", "ms/step (median)", ".1f"), ("tokens_per_s", "tokens/s", ",.0f"),
+                            ("tokens_vs_bf16", "tokens/s vs bf16 at its max", ".3f"),
+                            ("peak_mem_gib", "peak GiB", ".2f"), ("tried", "batches tried", "")]))
+    for v in variants(a.recipe_list, a.torchao_list):
+        row = {"variant": v.name}
+        model = opt = fwd = None
+        try:
+            model, opt = build(a.model_args, v, device)
+            fwd = compile_model(model, a.compile_scope) if a.compile else model
+            step = _step_fn(fwd, opt, device)
+            tried = []
+
+            def fits(b: int) -> bool:
+                x, y = batch(b, a.seq, a.vocab, device)
+                try:
+                    step(x, y)
+                    sync(device)
+                    ok = True
+                except torch.OutOfMemoryError:
+                    ok = False
+                opt.zero_grad(set_to_none=True)
+                del x, y
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                tried.append(f"{b}{'' if ok else ' (oom)'}")
+                return ok
+
+            best = largest_batch(fits, a.max_batch)
+            row["tried"] = ", ".join(tried)
+            if not best:
+                row["error"] = "out of memory at batch 1"
+            else:
+                x, y = batch(best, a.seq, a.vocab, device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                row.update(time_ms(lambda: step(x, y), device, a.steps, a.warmup), max_batch=best)
+                row["tokens_per_s"] = best * a.seq / (row["ms"] / 1e3)
+                if device.type == "cuda":
+                    row["peak_mem_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        except Exception as e:
+            row.update(error_row(e))
+        finally:
+            model = opt = fwd = None
+            release(device)
+        report.row(t, row)
+    base = next((r for r in t.rows if r["variant"] == "bf16" and r.get("tokens_per_s")), None)
+    for r in t.rows:
+        if base and r.get("tokens_per_s"):
+            r["tokens_vs_bf16"] = r["tokens_per_s"] / base["tokens_per_s"]
+    t.notes.append("Each batch size tried runs one whole step; a step that raises out-of-memory counts as not "
+                   "fitting. tokens/s vs bf16: at each row's own largest batch against bf16's at its largest.")
+    report.save(complete=False)

@@ -1,0 +1,110 @@
+"""`lowbit bench optim`: the optimizer step alone, per recipe, on a preset's parameters (or one weight of
+--shape): LowbitAdamW as the trainer builds it, gradients present (stored in the recipe's gradient format),
+median ms of `step()`. GB/s counts the bytes the update must read (weights or master, gradient, both moments)
+and write (moments, weights, master) at the recipe's storage: the floor of any implementation, so GB/s over the
+HBM bandwidth is how close the update runs to it. The bf16 row is fp32 AdamW (torch's fused kernel), every
+recipe's optimizer for the weights it does not cover, and torchao's too."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from lowbit.optim.precision import KINDS, StatePrecision
+from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, Report, Table, device_name, error_row, release, \
+    time_ms, variants
+
+
+def update_bytes(prec: StatePrecision) -> int:
+    """Bytes per parameter the update must move: read the weights (or the master), gradient and moments; write
+    the moments, the weights and the master."""
+    size = {k: 0 if v == "none" else KINDS[v][0].itemsize for k, v in prec.__dict__.items() if k != "rounding"}
+    read = size["grads"] + size["exp_avg"] + size["exp_avg_sq"] + (size["master"] or size["weights"])
+    return read + size["exp_avg"] + size["exp_avg_sq"] + size["weights"] + size["master"]
+
+
+class OneWeight(torch.nn.Module):
+    """A single linear weight of shape (out, in): --shape's model."""
+
+    def __init__(self, out_features: int, in_features: int):
+        super().__init__()
+        self.w = torch.nn.Linear(in_features, out_features, bias=False)
+
+
+def _build(a, v, device):
+    from lowbit.recipes import convert, get_recipe
+    from lowbit.tools.bench.step import build
+    from lowbit.train.config import load_config, optim_precision
+    from lowbit.train.trainer import build_optimizer
+
+    if not a.shape:
+        return build(a.model_args, v, device)
+    model = OneWeight(*a.shape).to(device)
+    recipe = get_recipe(v.recipe)
+    convert(model, recipe)
+    cfg = load_config(None, ["--recipe", v.recipe])
+    return model, build_optimizer(model, recipe, optim_precision(cfg), cfg)
+
+
+def _fill_grads(opt) -> None:
+    """A gradient for every parameter, delivered as the trainer's backward would: into its store or p.grad."""
+    g = torch.Generator(device=opt.param_groups[0]["params"][0].device).manual_seed(0)
+    for group in opt.param_groups:
+        for p in group["params"]:
+            grad = torch.randn(p.shape, device=p.device, generator=g, dtype=torch.float32).mul_(1e-3).to(p.dtype)
+            store = opt._grads.get(p)
+            if store is not None:
+                store.add(grad)
+            else:
+                p.grad = grad
+
+
+def run_optim(a, device: torch.device, report: Report) -> None:
+    what = f"one {a.shape[0]}x{a.shape[1]} weight" if a.shape else f"`{a.preset}`'s parameters"
+    mode = {True: "compiled", False: "eager", None: "compiled on a GPU and for large CPU tensors"}[a.compile]
+    t = report.table(Table("optim", f"optimizer step, {what} ({mode})",
+                           [("variant", "variant", ""), ("params_m", "params (M)", ",.1f"),
+                            ("covered_pct", "covered %", ".1f"), ("bytes_per_param", "bytes/param moved", ".2f"),
+                            ("ms", "ms/step (median)", ".2f"), ("gb_per_s", "GB/s", ",.1f"),
+                            ("hbm_pct", "% of HBM", ".1f"), ("vs_fp32_adamw", "ms vs fp32 AdamW", ".2f"),
+                            ("first_step_s", "first step s", ".1f")]))
+    hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in device_name(device)), None) \
+        if device.type == "cuda" else None
+    for v in variants(a.recipe_list, []):
+        row = {"variant": v.name}
+        model = opt = None
+        try:
+            model, opt = _build(a, v, device)
+            if a.compile is not None:
+                opt._compile = a.compile
+            _fill_grads(opt)
+            moved = covered = total = 0
+            for group in opt.param_groups:
+                n = sum(p.numel() for p in group["params"])
+                moved += n * update_bytes(opt.precision_of(group))
+                total += n
+                covered += n if group.get("covered") else 0
+            t0 = time.perf_counter()
+            opt.step()
+            row["first_step_s"] = time.perf_counter() - t0
+            row.update(time_ms(opt.step, device, a.steps, a.warmup))
+            row.update(params_m=total / 1e6, covered_pct=100 * covered / total, bytes_per_param=moved / total,
+                       gb_per_s=moved / (row["ms"] / 1e3) / 1e9)
+            if hbm:
+                row["hbm_pct"] = 100 * moved / (row["ms"] / 1e3) / hbm
+        except Exception as e:
+            row.update(error_row(e))
+        finally:
+            model = opt = None
+            release(device)
+        report.row(t, row)
+    base = next((r for r in t.rows if r["variant"] == "bf16" and "ms" in r), None)
+    for r in t.rows:
+        if base and "ms" in r:
+            r["vs_fp32_adamw"] = r["ms"] / base["ms"]
+    t.notes.append("bf16: the bf16 recipe's optimizer, fp32 AdamW in torch's fused kernel (also every recipe's "
+                   "for the parameters it does not cover, and torchao's). bytes/param moved: what the update must read and write at the recipe's storage, averaged over "
+                   "covered and fp32 parameters" + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
+                   + ". The lowbit update reads its inputs twice (amaxes, then the writes).")
+    report.save(complete=False)
