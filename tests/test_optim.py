@@ -547,7 +547,7 @@ def test_optim_cuda_graphs_setting_reaches_the_optimizer():
 def test_compiled_optimizer_makes_one_update_graph_per_weight_shape(monkeypatch):
     """`1b`'s weights (2048x2048, 5632x2048, 2048x5632, 256x2048, ...) in chunks of 8. The update is compiled for
     static shapes (its reductions, traced with dynamic ones, ran on a few of the GPU's cores) in chunks of one
-    shape: a graph per weight shape, under dynamo's raised limit. The gradient stores and norms stay dynamic: a
+    shape: two graphs (amaxes, writes) per weight shape, under dynamo's raised limit. The gradient stores and norms stay dynamic: a
     graph per chunk length."""
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -568,8 +568,9 @@ def test_compiled_optimizer_makes_one_update_graph_per_weight_shape(monkeypatch)
             opt.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad()
-        # gradient stores: (empty, filled) x (8, 5); norms: 8, 5; update: one chunk per shape (6, 3, 3, 3 tensors)
-        assert counters["stats"]["unique_graphs"] <= 10, dict(counters["stats"])
+        # gradient stores: (empty, filled) x (8, 5); norms: 8, 5; update: one chunk per shape (6, 3, 3, 3 tensors),
+        # each in two graphs (amaxes, writes)
+        assert counters["stats"]["unique_graphs"] <= 14, dict(counters["stats"])
     finally:
         torch._dynamo.reset()
 

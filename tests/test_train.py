@@ -150,6 +150,13 @@ def test_checkpoint_keeps_last_k(tmp_path, capsys):
     assert {"optimizer", "scheduler", "rng"} <= set(state)
 
 
+def test_checkpoint_save_false_writes_none(tmp_path, capsys):
+    run = tmp_path / "run"
+    args = [*SMALL, "--train.steps", "4", "--checkpoint.every", "2", "--checkpoint.save", "false"]
+    assert cli(capsys, "train", *args, "--run.dir", run)[0] == 0
+    assert ckpt.list_checkpoints(run) == [] and len(losses(run)) == 4
+
+
 def test_python_m_lowbit_entry_point():
     import subprocess
 

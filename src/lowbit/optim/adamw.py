@@ -35,7 +35,7 @@ from lowbit.optim.precision import KINDS, StatePrecision, _pow2_scale, decode, e
 _STATES = ("exp_avg", "exp_avg_sq", "master")
 CHUNK = 8  # tensors per compiled call (update, gradient store): few calls, yet graphs that compile in seconds
 SPAN = 1 << 16  # elements per slice of the eager CPU update: its fp32 temporaries stay in cache
-CPU_COMPILE = 1 << 22  # on a CPU, the update of tensors this large is compiled (see LowbitAdamW._compiles)
+CPU_COMPILE = 1 << 18  # on a CPU, the update of tensors this large is compiled (see LowbitAdamW._compiles)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -160,58 +160,89 @@ def _fresh(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, 
     return m32, v32, w - (lr / (1 - beta1 ** t)) * m32 / denom
 
 
-def _update(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
-            kinds: tuple[str, str, str, str], span: int | None = None):
-    """One AdamW step in fp32 on stored states (in place), in two passes over memory (MS-AMP's two stages): the
-    amaxes of the new states give their scales, then the states are computed again and written with them, so no
-    fp32 copy of a state is kept. `span`: elements per slice (None: the whole tensor in one piece), so a CPU's
-    temporaries stay in cache. `kinds`: the storage of exp_avg, exp_avg_sq, master, and how the three are rounded."""
-    k_m, k_v, k_master, rounding = kinds
-    has_master = k_master != "none"
-    tensors = (p, g, m, v, master)  # `master` may be a 0-dim placeholder
-    n = p.numel()
+def _scaled(kinds, m_scale, v_scale, master_scale) -> list[tuple[str, str, torch.Tensor]]:
+    """The states stored in scaled kinds, whose new scale comes from their new amax: (name, kind, scale)."""
+    k_m, k_v, k_master, _ = kinds
+    return [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
+            if k != "none" and KINDS[k][1]]
+
+
+def _pieces(tensors, span: int | None) -> list:
+    """The tensors whole (span None, or one that is not contiguous), or in slices of `span` elements."""
+    n = tensors[0].numel()
     if span is None or span >= n or not all(t.is_contiguous() for t in tensors):
-        pieces = [tensors]
-    else:
-        flat = [t.view(-1) if t.dim() else t for t in tensors]
-        pieces = [[t[i:i + span] if t.dim() else t for t in flat] for i in range(0, n, span)]
+        return [tensors]
+    flat = [t.view(-1) if t.dim() else t for t in tensors]  # a 0-dim `master` is a placeholder
+    return [[t[i:i + span] if t.dim() else t for t in flat] for i in range(0, n, span)]
 
-    def fresh(piece, weights):
-        pp, gg, mm, vv, ww = piece
-        return _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww, master_scale, step, wd, lr, beta1,
-                      beta2, eps, kinds, weights)
 
-    scaled = [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
-              if k != "none" and KINDS[k][1]]
-    # One piece in eager mode: pass one's values are kept for pass two (small tensors: half the launches). Compiled,
-    # they are computed twice, so the reduction and the writes stay apart (see _chunks).
-    keep = len(pieces) == 1 and not torch.compiler.is_compiling()
-    new, kept = {}, None  # name -> the state's new scale; pass one's values
-    if scaled:  # pass one: the amaxes (per slice, combined); nothing written
-        amax = None
-        for piece in pieces:
-            m32, v32, w = kept = fresh(piece, weights=keep or scaled[-1][0] == "w")
-            now = torch.stack([{"m": m32, "v": v32, "w": w}[n].abs().amax() for n, _, _ in scaled])
-            amax = now if amax is None else torch.maximum(amax, now)
-        new = {n: _pow2_scale(amax[i], KINDS[k][2], s) for i, (n, k, s) in enumerate(scaled)}
-    for piece in pieces:  # pass two: the states again, written with their new scales
-        m32, v32, w = kept if keep and kept is not None else fresh(piece, True)
-        store(m32, k_m, new.get("m", m_scale), out=piece[2], rounding=rounding)
-        store(v32, k_v, new.get("v", v_scale), out=piece[3], rounding=rounding)
-        if has_master:  # a low-precision master loses updates under half its ulp unless rounded stochastically
-            store(w, k_master, new.get("w", master_scale), out=piece[4], rounding=rounding)
+def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = False):
+    """Pass one of the update (MS-AMP's first stage): the amax of each scaled state's new value, nothing written.
+    Returns (amaxes or None, pass one's values when `keep` and the tensor was one piece)."""
+    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd = item
+    scaled = _scaled(kinds, m_scale, v_scale, master_scale)
+    pieces = _pieces((p, g, m, v, master), span)
+    amax = kept = None
+    if not scaled:
+        return None, None
+    for pp, gg, mm, vv, ww in pieces:
+        out = _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww, master_scale, step, wd, lr, beta1,
+                     beta2, eps, kinds, weights=keep or scaled[-1][0] == "w")
+        now = torch.stack([dict(zip("mvw", out))[n].abs().amax() for n, _, _ in scaled])
+        amax = now if amax is None else torch.maximum(amax, now)
+        kept = out if keep and len(pieces) == 1 else None
+    return amax, kept
+
+
+def _write(item: tuple, lr, beta1, beta2, eps, kinds, amax, span=None, kept=None) -> None:
+    """Pass two (the second stage): the new states computed again (or `kept` from pass one) and written with the
+    scales of their new amaxes; the step counted."""
+    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd = item
+    k_m, k_v, k_master, rounding = kinds
+    scaled = _scaled(kinds, m_scale, v_scale, master_scale)
+    new = {n: _pow2_scale(amax[i], KINDS[k][2], s) for i, (n, k, s) in enumerate(scaled)}
+    for pp, gg, mm, vv, ww in _pieces((p, g, m, v, master), span):
+        m32, v32, w = kept if kept is not None else _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww,
+                                                            master_scale, step, wd, lr, beta1, beta2, eps, kinds)
+        store(m32, k_m, new.get("m", m_scale), out=mm, rounding=rounding)
+        store(v32, k_v, new.get("v", v_scale), out=vv, rounding=rounding)
+        if k_master != "none":  # a low-precision master loses updates under half its ulp unless rounded stochastically
+            store(w, k_master, new.get("w", master_scale), out=ww, rounding=rounding)
         elif rounding == "stochastic" and p.dtype == torch.bfloat16:  # bf16 weights are their own master: the same
             w = stochastic_round(w, "bf16")
-        piece[0].copy_(w)
+        pp.copy_(w)
     for n, _, s in scaled:
         s.copy_(new[n])
     step += 1
 
 
-def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None):
-    """Every tensor of a chunk: one compiled graph on GPU (one launch of guards, kernels fused per tensor)."""
+def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> None:
+    """One AdamW step in fp32 on stored states (in place) for every tensor of a chunk, eagerly: two passes over
+    memory (amaxes, then the writes), so no fp32 copy of a state is kept; a CPU walks each tensor in slices of
+    `span` elements (its temporaries stay in cache). A tensor in one piece keeps pass one's values for pass two."""
     for item in items:
-        _update(*item, lr, beta1, beta2, eps, kinds, span)
+        amax, kept = _amaxes(item, lr, beta1, beta2, eps, kinds, span, keep=True)
+        _write(item, lr, beta1, beta2, eps, kinds, amax, span, kept)
+
+
+def _amaxes_all(items: list[tuple], lr, beta1, beta2, eps, kinds) -> list:
+    """Pass one for a chunk: one compiled graph of reductions only (split across the GPU)."""
+    return [_amaxes(item, lr, beta1, beta2, eps, kinds)[0] for item in items]
+
+
+def _write_all(items: list[tuple], lr, beta1, beta2, eps, kinds, amaxes) -> None:
+    """Pass two for a chunk: one compiled graph of elementwise kernels, the amaxes its inputs. Compiled apart from
+    pass one: in one graph, inductor fused each tensor's reduction and writes into a kernel that one block of
+    threads ran over the whole tensor (fp8lm-o2's update took 10 s at `7b`)."""
+    for item, amax in zip(items, amaxes):
+        _write(item, lr, beta1, beta2, eps, kinds, amax)
+
+
+def _update_compiled(amaxes_fn, write_fn):
+    """The update as the two compiled passes."""
+    def update(items, lr, beta1, beta2, eps, kinds, span=None):
+        write_fn(items, lr, beta1, beta2, eps, kinds, amaxes_fn(items, lr, beta1, beta2, eps, kinds))
+    return update
 
 
 def _chunks(items: list[tuple]) -> list[list[tuple]]:
@@ -393,8 +424,8 @@ class LowbitAdamW(torch.optim.Optimizer):
 
     def _compiles(self, fn, device: torch.device, numel: int = 0) -> bool:
         """Whether `fn` runs compiled: on a GPU, and on a CPU the update of tensors of CPU_COMPILE elements or more
-        (inductor's C++ kernel fuses it: about 5x faster there, worth its ~25 s of compiling) where a C++ compiler
-        is found; the constructor's `compile` decides if given."""
+        (inductor's C++ kernels fuse it: 4-7x faster than eager slices, for 5-10 s of compiling per weight shape on
+        two cores) where a C++ compiler is found; the constructor's `compile` decides if given."""
         if self._compile is not None:
             return self._compile
         if device.type == "cuda":
@@ -406,8 +437,9 @@ class LowbitAdamW(torch.optim.Optimizer):
         if not self._compiles(fn, device, numel):
             return fn
         if fn.__name__ not in self._compiled:
-            if fn is _update_all:  # static shapes (see _chunks): a graph per weight shape and chunk length
-                self._compiled[fn.__name__] = _with_recompile_limit(torch.compile(fn, dynamic=False))
+            if fn is _update_all:  # static shapes (see _chunks): graphs per weight shape and chunk length
+                self._compiled[fn.__name__] = _update_compiled(
+                    *(_with_recompile_limit(torch.compile(f, dynamic=False)) for f in (_amaxes_all, _write_all)))
             else:
                 self._compiled[fn.__name__] = _without_duck_sizing(torch.compile(fn, dynamic=True))
         return self._compiled[fn.__name__]

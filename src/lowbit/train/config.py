@@ -128,6 +128,8 @@ class OptimConfig:
 class CheckpointConfig:
     every: int = opt(0, "checkpoint every N steps (and at the end); 0: only at the end")
     keep: int = opt(3, "checkpoints to keep (newest)")
+    save: bool = opt(True, "write checkpoints; false: none at all (a throwaway run, or a model whose states the "
+                           "disk cannot hold)")
 
 
 @dataclass

@@ -77,9 +77,10 @@ class Metrics:
 
 
 def progress_line(step: int, steps: int, loss: float, lr: float, tokens_per_s: float, mfu: float | None,
-                  eta_s: float) -> str:
+                  eta_s: float, peak_gib: float | None = None) -> str:
     mfu_s = f" | mfu {100 * mfu:5.1f}%" if mfu is not None else ""
-    return (f"step {step:>6}/{steps} | loss {loss:7.4f} | lr {lr:.2e} | {tokens_per_s:9.0f} tok/s{mfu_s}"
+    peak_s = f" | peak {peak_gib:.1f} GiB" if peak_gib is not None else ""
+    return (f"step {step:>6}/{steps} | loss {loss:7.4f} | lr {lr:.2e} | {tokens_per_s:9.0f} tok/s{mfu_s}{peak_s}"
             f" | eta {_hms(eta_s)}")
 
 

@@ -466,8 +466,10 @@ def train(cfg: Config) -> dict:
                 tps = window_tokens / max(now - window_t0, 1e-9)
                 mfu = tps / tokens_per_step * flops_per_step / peak if peak else None
                 per_step = (now - run_t0) / max(timed_steps, 1)
-                record.update(tokens_per_s=tps, **({"mfu": mfu} if mfu is not None else {}))
-                say(progress_line(step, t.steps, loss_value, lr, tps, mfu, per_step * (last_step - step)),
+                peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+                record.update(tokens_per_s=tps, **({"mfu": mfu} if mfu is not None else {}),
+                              **({"peak_mem_gib": peak_gib} if peak_gib is not None else {}))
+                say(progress_line(step, t.steps, loss_value, lr, tps, mfu, per_step * (last_step - step), peak_gib),
                       flush=True)
                 window_t0, window_tokens = now, 0
             metrics.log(record)
@@ -491,14 +493,15 @@ def train(cfg: Config) -> dict:
                 say(f"step {step:>6}/{t.steps} | val_loss {val_loss:.4f} | val_ppl {math.exp(min(val_loss, 50)):.2f}",
                       flush=True)
                 summary["val_loss"] = val_loss
-            if (cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end:
+            if cfg.checkpoint.save and ((cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and finite) or end):
                 save_checkpoint(step)
             paused = time.perf_counter() - pause_t0
             window_t0 += paused
             if run_t0 is not None:
                 run_t0 += paused
             if stopping:
-                say(f"lowbit: stopped by signal after step {step}; resume with --run.resume", flush=True)
+                say(f"lowbit: stopped by signal after step {step}; " + ("resume with --run.resume" if
+                    cfg.checkpoint.save else "nothing saved (checkpoint.save is false)"), flush=True)
                 break
     metrics.close()
     if lead and cfg.run.plot:
