@@ -52,6 +52,32 @@ def test_delayed_interval_recomputes_every_n_steps():
     assert used == pytest.approx([224.0, 224.0, 224.0, 56.0, 56.0, 56.0, 448.0])  # window of 2 at 6: (1, 1)
 
 
+def test_delayed_warmup_casts_with_the_current_amax_first_and_after_a_bad_one():
+    """MS-AMP's warm-up (the fp8lm recipes, warmup 16): the current amax for the first `warmup` casts, the window
+    after them, and the current amax again for `warmup` casts after a non-finite one."""
+    spec = Scaling("e4m3", strategy="delayed", history=4, algo="max", warmup=3)
+    seq = [2.0, 8.0, 1.0, 1.0, 1.0, float("inf"), 4.0, 2.0, 1.0, 1.0]
+    used = run_sequence(spec, seq)
+    own = [E4M3_MAX / a for a in seq]
+    assert used[:3] == pytest.approx(own[:3])  # warm-up: each its own amax
+    assert used[3:5] == pytest.approx([E4M3_MAX / 8] * 2)  # the window (8 is still in it)
+    # the Inf itself casts with the window's scale (a bad current amax keeps the previous scale) and opens a
+    # warm-up of 3 casts while it is among the last 3 recorded
+    assert used[6:9] == pytest.approx(own[6:9])
+    assert used[9] == pytest.approx(E4M3_MAX / 4)  # the window again: max(4, 2, 1) of the last 4 (the Inf is 0)
+    no_warmup = run_sequence(Scaling("e4m3", strategy="delayed", history=4, algo="max"), seq)
+    assert no_warmup[1] == pytest.approx(E4M3_MAX / 2) and no_warmup[6] == pytest.approx(E4M3_MAX / 1)
+    assert "warmup=16" in repr(ScalingState(Scaling("e4m3", strategy="delayed", warmup=16)))
+
+
+def test_fp8lm_recipes_warm_up_their_delayed_operands():
+    from lowbit.recipes import get_recipe
+
+    for name in ("fp8lm", "fp8lm-o1", "fp8lm-o2", "fp8lm-o3"):
+        lin = get_recipe(name).linear
+        assert lin.input.warmup == lin.grad_output.warmup == 16 and lin.weight.strategy == "current"
+
+
 def test_margin_and_power_of_two():
     amax = torch.tensor(3.0)
     plain, _ = scale_from_amax(amax, Scaling("e4m3"))

@@ -88,7 +88,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
     backward pass (OperandStates)."""
 
     @staticmethod
-    def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_updates, sink, reports,
+    def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_warm, sink, reports,
                 telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -109,7 +109,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element.
         ctx.hp = _keeps_input(r, occ_idx is not None)
         ctx.save_for_backward(x2 if ctx.hp else qx.data, scale_x if ctx.hp else qx.scale_inv, weight, go_scale,
-                              go_updates, qw.scale_inv, occ_idx, occ_val, reports)
+                              go_warm, qw.scale_inv, occ_idx, occ_val, reports)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qw if r.weight.granularity == "tensor" else None
         ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, sink is not None, telemetry_layer, go_group
@@ -118,7 +118,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        kept, kept_scale, weight, go_scale, go_updates, w_scale_inv, occ_idx, occ_val, reports = ctx.saved_tensors
+        kept, kept_scale, weight, go_scale, go_warm, w_scale_inv, occ_idx, occ_val, reports = ctx.saved_tensors
         r = ctx.recipe
         g = r.grad_output
         # the forward's FP8 input, made again from the kept input where that was kept (the same cast)
@@ -130,8 +130,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             if ctx.go_group is not None:  # dy is split over tensor-parallel ranks: the whole tensor's amax
                 amax = all_max(amax, ctx.go_group)
             scale, bad = scale_from_amax(amax, g, fallback=go_scale if g.granularity == "tensor" else 1.0)
-            if g.strategy == "delayed":  # the scale of past steps; the first cast, with no history, its own
-                scale = torch.where(go_updates == 0, scale, go_scale)
+            if g.strategy == "delayed":  # the scale of past steps; in warm-up (ScalingState.warming_up), its own
+                scale = torch.where(go_warm, scale, go_scale)
             qdy = quantize(dy2, g, scale=scale)
             if ctx.telemetry_layer is not None:
                 ctx.telemetry_layer.telemetry["grad_output"] = _stats(dy2, qdy)
@@ -206,7 +206,7 @@ class LowPrecisionLinear(nn.Linear):
         # The reports are saved either way, so that a forward recomputed by activation checkpointing (which does
         # not record) saves as many tensors as the original.
         y = _LowPrecisionMatmul.apply(x, self.weight, scale_x, scale_w, r, go.scale.clone(),
-                                      go.updates.clone() if go.spec.strategy == "delayed" else None,
+                                      go.warming_up() if go.spec.strategy == "delayed" else None,
                                       st.sink(x.device) if update else None, torch.stack([report_x, report_w]),
                                       self if self.telemetry_armed else None, x2 if idx is not None else None, idx,
                                       val, go.amax_group)

@@ -39,7 +39,7 @@ def _fp8(inp: Scaling, weight: Scaling, grad: Scaling, **kw) -> LinearRecipe:
 
 _NANOTRON = dict(strategy="delayed", history=16, interval=16)
 _TE_DELAYED = dict(strategy="delayed", history=1024, algo="max")
-_FP8LM_WINDOW = dict(strategy="delayed", history=16, algo="max", pow2=True)
+_FP8LM_WINDOW = dict(strategy="delayed", history=16, algo="max", pow2=True, warmup=16)  # MS-AMP's warm-up
 _FP8LM_LINEAR = _fp8(Scaling("e4m3", **_FP8LM_WINDOW), Scaling("e4m3", pow2=True), Scaling("e5m2", **_FP8LM_WINDOW))
 _O1 = StatePrecision(grads="e4m3")
 _O2 = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")

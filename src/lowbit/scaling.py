@@ -13,7 +13,8 @@ Every operand is seen as a 2-D matrix whose last dimension is the GEMM's reducti
 Strategies: `current` uses the amax of the tensor being cast; `delayed` uses an amax history of past steps
 (tensor granularity only): TransformerEngine's rolling window (`interval=1`: the scale is recomputed every step
 from the window) and nanotron's interval semantics (`interval=N`: recomputed once every N steps). The first cast,
-with no history yet, uses its own amax.
+with no history yet, uses its own amax; with `warmup=N` (MS-AMP's), every cast does while fewer than N good
+amaxes lead the window: the first N steps, and the N after a non-finite (or zero) amax.
 
 scale = 2^-margin * fmt.max / amax, optionally rounded down to a power of two; `q = cast(x * scale)`.
 An amax that is 0, NaN or Inf is counted. A delayed scale then keeps the previous one. A current scale of an input
@@ -53,6 +54,7 @@ class Scaling:
     history: int = 16  # delayed: amax history length
     algo: str = "max"  # delayed: max | most_recent
     interval: int = 1  # delayed: recompute the scale every `interval` updates
+    warmup: int = 0  # delayed: cast with the current amax while a bad or missing one is among the last `warmup`
     margin: int = 0
     pow2: bool = False  # round scales down to powers of two (exact dequantization)
 
@@ -69,8 +71,8 @@ class Scaling:
                               "per-row or per-block amaxes has no meaning when rows are different tokens each step")
         if self.algo not in ("max", "most_recent"):
             raise LowbitError(f"delayed scaling algo {self.algo!r} is not one of max, most_recent")
-        if self.history < 1 or self.interval < 1:
-            raise LowbitError("delayed scaling: history and interval must be >= 1")
+        if self.history < 1 or self.interval < 1 or self.warmup < 0:
+            raise LowbitError("delayed scaling: history and interval must be >= 1, warmup >= 0")
         if self.granularity == "block" and (len(self.block) != 2 or min(self.block) < 1):
             raise LowbitError(f"block scaling: block must be two positive sizes, got {self.block}")
 
@@ -183,7 +185,8 @@ class ScalingState(nn.Module):
 
     def extra_repr(self) -> str:
         s = self.spec
-        extra = f", history={s.history}, algo={s.algo}, interval={s.interval}" if s.strategy == "delayed" else ""
+        extra = (f", history={s.history}, algo={s.algo}, interval={s.interval}"
+                 + (f", warmup={s.warmup}" if s.warmup else "")) if s.strategy == "delayed" else ""
         return f"{s.fmt}, {s.granularity}, {s.strategy}{extra}, margin={s.margin}"
 
     @torch.no_grad()
@@ -214,8 +217,17 @@ class ScalingState(nn.Module):
             # history yet (the first step), cast with the current amax instead of TransformerEngine's initial
             # scale of 1, which flushes nearly every gradient of the first step to zero.
             current, bad = scale_from_amax(amax, s, fallback=self.scale)
-            scale = torch.where(self.updates == 0, current, self.scale)
+            scale = torch.where(self.warming_up(), current, self.scale)
         return scale, report(amax if s.granularity == "tensor" else None, bad)
+
+    def warming_up(self) -> torch.Tensor:
+        """Delayed: whether the next cast takes its own amax. Always before the first update; with `warmup`, also
+        while one of the last `warmup` recorded amaxes was bad or is yet to come (the window records those as 0,
+        and starts as zeros), so a window never scales by a stale or missing amax. Read from the window itself: no
+        state beyond it, and a checkpoint resumes mid-warm-up."""
+        first = self.updates == 0
+        n = min(self.spec.warmup, self.spec.history)
+        return first | (self.amax_history[:n] == 0).any() if n else first
 
     def observe(self, amax: torch.Tensor, bad_groups: torch.Tensor) -> None:
         """Record one cast: `amax` (tensor granularity) and how many groups had a bad amax. Delayed: the amax
