@@ -7,10 +7,15 @@ run torch's fused AdamW kernel.
 
 Gradients stored below the weights' precision (FP8, or bf16 for fp32 weights) are taken from autograd by a
 post-accumulate hook: the wgrad GEMM's output (which every GEMM writes in high precision) waits in a run of up to
-CHUNK gradients of one kind, which one call (`_accumulate_all`, compiled on GPU) quantizes into the stores and
-frees; what is left waiting is stored when the backward pass ends. So in eager mode fewer than CHUNK
-high-precision gradients per run live at a time beyond the layer's own; a compiled backward hands a whole
-region's over together. Micro-batches accumulate by rescaling: the stored gradient is decoded, the new one added
+CHUNK gradients of one kind and shape, which one call (`_accumulate_all`, compiled on GPU) quantizes into the
+stores and frees; what is left waiting is stored when the backward pass ends. So in eager mode fewer than CHUNK
+high-precision gradients per run (a run per weight shape) live at a time beyond the layer's own; a compiled
+backward hands a whole region's over together.
+
+On a GPU the update, the gradient stores and the stored norms are compiled for static shapes, each in two graphs
+where it has both: one of reductions (the amaxes, split across the GPU), one of elementwise writes. Traced with
+dynamic shapes, or with an amax and the writes it scales in one graph, inductor made kernels that one block of
+threads ran over a whole tensor: fp8lm-o2's update took 10 s at `7b`. Micro-batches accumulate by rescaling: the stored gradient is decoded, the new one added
 in fp32, and the sum re-encoded with the scale of its own amax (one rounding per micro-batch, never an overflow).
 Clearing a store costs nothing (its first add resets scale and flag), and clipping rescales every scale at once.
 """
@@ -24,7 +29,6 @@ import shutil
 import weakref
 
 import torch
-import torch.fx.experimental._config as fx_config
 from torch.distributed.tensor import DTensor
 
 from lowbit.backward_end import at_backward_end
@@ -44,13 +48,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _accumulate(g, data, scale, nonfinite, kind: str, filled: bool) -> None:
+def _sum(g, data, scale, kind: str, filled: bool):
+    """The gradient to store: `g`, plus the stored one if `filled` (in fp32)."""
+    return g.float() + decode(data, kind, scale) if filled else g
+
+
+def _accumulate(g, data, scale, nonfinite, kind: str, filled: bool, amax=None) -> None:
     """Quantize `g` into a store's data, scale and nonfinite flag (in place), adding the stored gradient first if
-    `filled`; an empty store starts from scale 1 and a clear flag. One compiled graph on GPU: the hooks run it
-    eagerly once per parameter and micro-batch, so unfused it is ~35 kernel launches each."""
-    if filled:
-        g = g.float() + decode(data, kind, scale)
-    amax = g.abs().amax().float()
+    `filled`; an empty store starts from scale 1 and a clear flag. `amax`: the sum's, if the caller has it."""
+    g = _sum(g, data, scale, kind, filled)
+    amax = g.abs().amax().float() if amax is None else amax
     bad = ~torch.isfinite(amax)  # an FP8 cast would saturate an Inf into a finite value
     if filled:
         nonfinite.bitwise_or_(bad)
@@ -61,30 +68,46 @@ def _accumulate(g, data, scale, nonfinite, kind: str, filled: bool) -> None:
 
 
 def _accumulate_all(gs, datas, scales, nonfinites, kind: str, filled: bool) -> None:
-    """`_accumulate` for several stores of one kind: one compiled call (and one graph, shapes being dynamic) for a
-    run of waiting gradients."""
+    """`_accumulate` for several stores of one kind (eager)."""
     for g, data, scale, nonfinite in zip(gs, datas, scales, nonfinites):
         _accumulate(g, data, scale, nonfinite, kind, filled)
 
 
-class GradStore:
-    """A gradient kept in low precision between backward and the optimizer step. `fn`: `_accumulate`, compiled
-    or not (a DTensor gradient always takes the eager one); `fn_all`: `_accumulate_all`, for gradients that the
-    hook queued (see `_take_grad`)."""
+def _sum_amaxes(gs, datas, scales, kind: str, filled: bool) -> list:
+    """Pass one of storing a run: the sums' amaxes, a compiled graph of reductions only (see _write_all)."""
+    return [_sum(g, d, s, kind, filled).abs().amax().float() for g, d, s in zip(gs, datas, scales)]
 
-    def __init__(self, p: torch.Tensor, kind: str, fn=_accumulate, fn_all=_accumulate_all):
+
+def _store_sums(gs, datas, scales, nonfinites, kind: str, filled: bool, amaxes) -> None:
+    """Pass two: the sums again, quantized with the scales of their amaxes (elementwise only)."""
+    for g, data, scale, nonfinite, amax in zip(gs, datas, scales, nonfinites, amaxes):
+        _accumulate(g, data, scale, nonfinite, kind, filled, amax)
+
+
+def _accumulate_compiled(amaxes_fn, store_fn):
+    """`_accumulate_all` as the two compiled passes."""
+    def accumulate(gs, datas, scales, nonfinites, kind, filled):
+        store_fn(gs, datas, scales, nonfinites, kind, filled, amaxes_fn(gs, datas, scales, kind, filled))
+    return accumulate
+
+
+class GradStore:
+    """A gradient kept in low precision between backward and the optimizer step. `fn_all`: `_accumulate_all`,
+    compiled or not, for gradients that the hook queued (see `_take_grad`) and for add() (a DTensor gradient
+    always takes the eager one)."""
+
+    def __init__(self, p: torch.Tensor, kind: str, fn_all=_accumulate_all):
         self.kind = kind
         self.data = torch.zeros(p.shape, dtype=KINDS[kind][0], device=p.device)
         self.scale = torch.ones((), device=p.device)
         self.nonfinite = torch.zeros((), dtype=torch.bool, device=p.device)
         self.filled = False
-        self._fn = fn
         self._fn_all = fn_all
         self._waiting = None  # the key of the run in _WAITING that holds a gradient for this store
 
     def add(self, g: torch.Tensor) -> None:
-        (_accumulate if isinstance(g, DTensor) else self._fn)(g, self.data, self.scale, self.nonfinite, self.kind,
-                                                               self.filled)
+        fn = _accumulate_all if isinstance(g, DTensor) else self._fn_all
+        fn([g], [self.data], [self.scale], [self.nonfinite], self.kind, self.filled)
         self.filled = True
 
     def value(self) -> torch.Tensor:
@@ -101,7 +124,7 @@ class GradStore:
 
 
 # Gradients that arrived in this backward and wait to be stored, in runs of stores alike (kind, filled, device,
-# compiled function): a run is stored by one call when it reaches CHUNK, the rest when the backward ends. One
+# compiled function, shape): a run is stored by one call when it reaches CHUNK, the rest when the backward ends. One
 # compiled call per gradient cost about 0.7 ms of host time each on the H200's host (fp8lm-o1 at `1b`: 110 ms more
 # GPU idle than fp8lm); CHUNK at a time, fewer than CHUNK high-precision gradients per run wait beyond their
 # layer's. A backward that raises leaves its run waiting: the store's clear() drops it, step() stores it.
@@ -119,7 +142,7 @@ def _take_grad(p: torch.Tensor) -> None:
         return
     if store._waiting is not None:  # a second gradient before the first was stored (a reentrant checkpoint that
         _store_run(_WAITING.pop(store._waiting))  # uses the parameter inside and out; a backward that raised)
-    key = (store._fn_all, store.kind, store.filled, g.device)
+    key = (store._fn_all, store.kind, store.filled, g.device, tuple(g.shape))  # one shape: static graphs
     run = _WAITING.setdefault(key, [])
     run.append((store, g))
     store._waiting = key
@@ -255,18 +278,6 @@ def _chunks(items: list[tuple]) -> list[list[tuple]]:
     return [run[i:i + CHUNK] for run in runs.values() for i in range(0, len(run), CHUNK)]
 
 
-def _without_duck_sizing(compiled):
-    """`compiled` traced with every size its own symbol. Duck sizing (the default) gives equal sizes one symbol
-    and guards on the equality, so the next chunk, whose 2048s fall elsewhere, recompiled: at `1b` the update,
-    the gradient stores and the norms each hit dynamo's limit of 8 graphs (then run eagerly), and compiling took
-    minutes."""
-    @functools.wraps(compiled)
-    def call(*args, **kwargs):
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args, **kwargs)
-    return call
-
-
 def _with_recompile_limit(compiled, limit: int = 64):
     """`compiled` allowed `limit` graphs (dynamo's default, 8, would send a model's ninth chunk shape to eager)."""
     @functools.wraps(compiled)
@@ -341,8 +352,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         # One hook per parameter, taking gradients for whichever optimizer holds it last (none: left alone).
         p._lowbit_grad_owner = None
         if prec.grads != prec.weights:
-            self._grads[p] = GradStore(p, prec.grads, self._fn(_accumulate, p.device),
-                                      self._fn(_accumulate_all, p.device))
+            self._grads[p] = GradStore(p, prec.grads, self._fn(_accumulate_all, p.device))
             p._lowbit_grad_owner = weakref.ref(self)
             if not getattr(p, "_lowbit_grad_hooked", False):
                 p.register_post_accumulate_grad_hook(_take_grad)
@@ -405,13 +415,18 @@ class LowbitAdamW(torch.optim.Optimizer):
         return total
 
     def _stored_norms(self, stored: list[GradStore]) -> torch.Tensor:
-        """The stored gradients' norms, CHUNK per compiled call (one CUDA graph on a GPU)."""
+        """The stored gradients' norms (in the order of `stored`), CHUNK of one shape per compiled call (static
+        shapes, as the update), one CUDA graph on a GPU."""
         device = stored[0].data.device
+        by_shape: dict[tuple, list[int]] = {}
+        for i, s in enumerate(stored):
+            by_shape.setdefault(tuple(s.data.shape), []).append(i)
+        runs = [idx[j:j + CHUNK] for idx in by_shape.values() for j in range(0, len(idx), CHUNK)]
+        order = torch.tensor([i for run in runs for i in run]).argsort().to(device)
 
         def run():
-            return torch.cat([self._fn(_stored_norms, device)([s.data for s in stored[i:i + CHUNK]],
-                                                              [s.scale for s in stored[i:i + CHUNK]])
-                              for i in range(0, len(stored), CHUNK)])
+            fn = self._fn(_stored_norms, device)
+            return torch.cat([fn([stored[i].data for i in r], [stored[i].scale for i in r]) for r in runs])[order]
 
         return self._replayed("norms", device, lambda: [(s.data, s.scale) for s in stored], run)
 
@@ -437,11 +452,13 @@ class LowbitAdamW(torch.optim.Optimizer):
         if not self._compiles(fn, device, numel):
             return fn
         if fn.__name__ not in self._compiled:
+            static = lambda f: _with_recompile_limit(torch.compile(f, dynamic=False))  # noqa: E731
             if fn is _update_all:  # static shapes (see _chunks): graphs per weight shape and chunk length
-                self._compiled[fn.__name__] = _update_compiled(
-                    *(_with_recompile_limit(torch.compile(f, dynamic=False)) for f in (_amaxes_all, _write_all)))
-            else:
-                self._compiled[fn.__name__] = _without_duck_sizing(torch.compile(fn, dynamic=True))
+                self._compiled[fn.__name__] = _update_compiled(static(_amaxes_all), static(_write_all))
+            elif fn is _accumulate_all:  # likewise, runs of one shape (see _take_grad)
+                self._compiled[fn.__name__] = _accumulate_compiled(static(_sum_amaxes), static(_store_sums))
+            else:  # the stored norms: reductions alone, in chunks of one shape (see _stored_norms)
+                self._compiled[fn.__name__] = static(fn)
         return self._compiled[fn.__name__]
 
     @torch.no_grad()
