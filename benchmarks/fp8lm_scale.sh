@@ -33,12 +33,12 @@ case "${1:-check}" in
       --recipes bf16,fp8-tensorwise,fp8lm-o2 --torchao tensorwise
     part optim_1b "${OPTIM1_S:-70}" optim --preset 1b --recipes fp8lm-o2,nanotron-r2 --steps 10 --warmup 3 ;;
   capacity)
-    part step_7b_fp8 "${STEP_S:-130}" step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 \
+    part step_7b_fp8 "${STEP_S:-100}" step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 \
       --recipes fp8-tensorwise,fp8lm-o2 --no-bf16 --torchao none
-    part capacity_7b "${CAP_S:-250}" step --preset 7b --seq 2048 --max-batch 32 --steps 3 --warmup 1 \
+    part capacity_7b "${CAP_S:-220}" step --preset 7b --seq 2048 --max-batch 32 --steps 3 --warmup 1 \
       --recipes bf16,fp8lm-o2 --torchao tensorwise
     data=${DATA:-data/stdlib-4k}; [ -d "$data" ] || data=""
-    timeout "${TRAIN_S:-200}" python3 -m lowbit train --model.preset 13b --recipe fp8lm-o2 --data.path "$data" \
+    timeout "${TRAIN_S:-180}" python3 -m lowbit train --model.preset 13b --recipe fp8lm-o2 --data.path "$data" \
       --data.seq_len 2048 --train.batch_size 8 --train.micro_batch_size 4 --train.steps 50 --train.warmup_steps 10 \
       --train.lr 3e-4 --train.compile true --train.log_every 5 --train.eval_every 0 --train.eval_batches 1 \
       --numerics.telemetry_every 0 --checkpoint.save false --run.plot false --run.dir /tmp/run_13b 2>&1 | grep -v -E "^[WIE][0-9]{4}" \

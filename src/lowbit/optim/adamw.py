@@ -422,11 +422,12 @@ class LowbitAdamW(torch.optim.Optimizer):
         for i, s in enumerate(stored):
             by_shape.setdefault(tuple(s.data.shape), []).append(i)
         runs = [idx[j:j + CHUNK] for idx in by_shape.values() for j in range(0, len(idx), CHUNK)]
-        order = torch.tensor([i for run in runs for i in run]).argsort().to(device)
+        at = {i: k for k, i in enumerate(i for r in runs for i in r)}  # where stored[i]'s norm lands
 
-        def run():
+        def run():  # every tensor it uses made inside it: a CUDA graph replays their addresses
             fn = self._fn(_stored_norms, device)
-            return torch.cat([fn([stored[i].data for i in r], [stored[i].scale for i in r]) for r in runs])[order]
+            norms = torch.cat([fn([stored[i].data for i in r], [stored[i].scale for i in r]) for r in runs])
+            return torch.stack([norms[at[i]] for i in range(len(stored))])
 
         return self._replayed("norms", device, lambda: [(s.data, s.scale) for s in stored], run)
 
