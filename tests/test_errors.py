@@ -94,7 +94,7 @@ def test_shipped_configs_are_valid():
     from lowbit.train.config import load_config
 
     configs = sorted(Path(__file__).parent.parent.glob("configs/*.toml"))
-    assert {p.stem for p in configs} >= {"tiny", "125m", "350m", "1b", "7b"}
+    assert {p.stem for p in configs} >= {"tiny", "125m", "350m", "1b", "7b", "13b"}
     for p in configs:
         assert load_config(str(p), []).model.preset == p.stem
 
