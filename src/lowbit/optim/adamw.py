@@ -204,16 +204,17 @@ def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = F
     Returns (amaxes or None, pass one's values when `keep` and the tensor was one piece)."""
     p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd = item
     scaled = _scaled(kinds, m_scale, v_scale, master_scale)
-    pieces = _pieces((p, g, m, v, master), span)
-    amax = kept = None
     if not scaled:
         return None, None
+    pieces = _pieces((p, g, m, v, master), span)
+    keep = keep and len(pieces) == 1
+    amax = kept = None
     for pp, gg, mm, vv, ww in pieces:
         out = _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww, master_scale, step, wd, lr, beta1,
                      beta2, eps, kinds, weights=keep or scaled[-1][0] == "w")
         now = torch.stack([dict(zip("mvw", out))[n].abs().amax() for n, _, _ in scaled])
         amax = now if amax is None else torch.maximum(amax, now)
-        kept = out if keep and len(pieces) == 1 else None
+        kept = out if keep else None
     return amax, kept
 
 
