@@ -65,7 +65,7 @@ def run_step(a, device: torch.device, report: Report) -> None:
                             ("ms_in_a_row", "ms/step in a row", ".1f"), ("mfu_in_a_row_pct", "MFU % in a row", ".1f"),
                             ("speedup_in_a_row_vs_bf16", "vs bf16 in a row", ".3f"),
                             ("peak_mem_gib", "peak GiB", ".2f"), ("reserved_gib", "reserved GiB", ".2f"),
-                            ("first_step_s", "first step s", ".1f")]))
+                            ("build_s", "build s", ".1f"), ("first_step_s", "first step s", ".1f")]))
     prof = report.table(Table("profile", f"where the step's time goes (`{a.preset}`, {mode}; ms)",
                               profile.columns(device))) if a.profile else None
     x, y = batch(a.batch, a.seq, a.vocab, device)
@@ -75,7 +75,10 @@ def run_step(a, device: torch.device, report: Report) -> None:
         profiling = False  # an error from here on is the profile's, not the step's
         model = opt = None
         try:
+            t0 = time.perf_counter()
             model, opt = build(a.model_args, v, device)
+            sync(device)
+            row["build_s"] = time.perf_counter() - t0  # on meta, then initialized on the device
             fwd = compile_model(model, a.compile_scope) if a.compile else model
 
             def forward():
