@@ -243,9 +243,11 @@ def _write(item: tuple, lr, beta1, beta2, eps, kinds, amax, span=None, kept=None
 def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> None:
     """One AdamW step in fp32 on stored states (in place) for every tensor of a chunk, eagerly: two passes over
     memory (amaxes, then the writes), so no fp32 copy of a state is kept; a CPU walks each tensor in slices of
-    `span` elements (its temporaries stay in cache). A tensor in one piece keeps pass one's values for pass two."""
+    `span` elements (its temporaries stay in cache). A tensor in one piece keeps pass one's values for pass two.
+    A CPU compiles it as one graph for large tensors (see LowbitAdamW._compiles)."""
+    keep = not torch.compiler.is_compiling()  # compiled (a CPU's one graph), recomputing costs less than storing
     for item in items:
-        amax, kept = _amaxes(item, lr, beta1, beta2, eps, kinds, span, keep=True)
+        amax, kept = _amaxes(item, lr, beta1, beta2, eps, kinds, span, keep=keep)
         _write(item, lr, beta1, beta2, eps, kinds, amax, span, kept)
 
 
@@ -453,15 +455,16 @@ class LowbitAdamW(torch.optim.Optimizer):
         """`fn`, compiled where it pays (see _compiles)."""
         if not self._compiles(fn, device, numel):
             return fn
-        if fn.__name__ not in self._compiled:
+        key = (fn.__name__, device.type)
+        if key not in self._compiled:
             static = lambda f: _with_recompile_limit(torch.compile(f, dynamic=False))  # noqa: E731
-            if fn is _update_all:  # static shapes (see _chunks): graphs per weight shape and chunk length
-                self._compiled[fn.__name__] = _update_compiled(static(_amaxes_all), static(_write_all))
-            elif fn is _accumulate_all:  # likewise, runs of one shape (see _take_grad)
-                self._compiled[fn.__name__] = _accumulate_compiled(static(_sum_amaxes), static(_store_sums))
-            else:  # the stored norms: reductions alone, in chunks of one shape (see _stored_norms)
-                self._compiled[fn.__name__] = static(fn)
-        return self._compiled[fn.__name__]
+            if fn is _update_all and device.type != "cpu":  # static shapes (see _chunks), two passes in two graphs
+                self._compiled[key] = _update_compiled(static(_amaxes_all), static(_write_all))
+            elif fn is _accumulate_all and device.type != "cpu":  # likewise, runs of one shape (see _take_grad)
+                self._compiled[key] = _accumulate_compiled(static(_sum_amaxes), static(_store_sums))
+            else:  # the stored norms (reductions alone, in chunks of one shape); on a CPU, whose C++ kernels have no
+                self._compiled[key] = static(fn)  # such fusion to avoid, one graph (pass one's values kept)
+        return self._compiled[key]
 
     @torch.no_grad()
     def step(self, closure=None):
