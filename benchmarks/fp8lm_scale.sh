@@ -20,7 +20,7 @@ fi
 python3 -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"
 part() {  # part NAME SECONDS ARGS...: lowbit bench ARGS --out $OUT/NAME.json, log in $OUT/NAME.txt
   local name=$1 secs=$2; shift 2
-  timeout "$secs" python3 -m lowbit bench "$@" --out "$OUT/$name.json" 2>&1 | grep -v -E "^[WIE][0-9]{4}" \
+  timeout "$secs" python3 -m lowbit bench "$@" --out "$OUT/$name.json" 2>&1 | grep --line-buffered -v -E "^[WIE][0-9]{4}" \
     > "$OUT/$name.txt"
   echo "== $name (exit ${PIPESTATUS[0]})"; grep -v '^{' "$OUT/$name.txt" | tail -n 14
 }
@@ -39,7 +39,7 @@ case "${1:-check}" in
     timeout "${TRAIN_S:-180}" python3 -m lowbit train --model.preset 13b --recipe fp8lm-o2 --data.path "$data" \
       --data.seq_len 2048 --train.batch_size 8 --train.micro_batch_size 4 --train.steps 50 --train.warmup_steps 10 \
       --train.lr 3e-4 --train.compile true --train.log_every 5 --train.eval_every 0 --train.eval_batches 1 \
-      --numerics.telemetry_every 0 --checkpoint.save false --run.plot false --run.dir /tmp/run_13b 2>&1 | grep -v -E "^[WIE][0-9]{4}" \
+      --numerics.telemetry_every 0 --checkpoint.save false --run.plot false --run.dir /tmp/run_13b 2>&1 | grep --line-buffered -v -E "^[WIE][0-9]{4}" \
       | tee "$OUT/train_13b.txt" | tail -n 16
     cp /tmp/run_13b/metrics.jsonl "$OUT/train_13b_metrics.jsonl" 2>/dev/null
     part capacity_7b "${CAP_S:-220}" step --preset 7b --seq 2048 --max-batch 32 --steps 3 --warmup 1 \
