@@ -281,6 +281,12 @@ def _chunks(items: list[tuple]) -> list[list[tuple]]:
     return [run[i:i + CHUNK] for run in runs.values() for i in range(0, len(run), CHUNK)]
 
 
+def _passes_apart(device: torch.device) -> bool:
+    """Whether a compiled update or gradient store runs its reductions and its writes as two graphs: on a GPU (see
+    _write_all); a CPU's C++ kernels have no single-block fusion to avoid, and one graph is faster there."""
+    return device.type != "cpu"
+
+
 def _with_recompile_limit(compiled, limit: int = 64):
     """`compiled` allowed `limit` graphs (dynamo's default, 8, would send a model's ninth chunk shape to eager)."""
     @functools.wraps(compiled)
@@ -458,9 +464,9 @@ class LowbitAdamW(torch.optim.Optimizer):
         key = (fn.__name__, device.type)
         if key not in self._compiled:
             static = lambda f: _with_recompile_limit(torch.compile(f, dynamic=False))  # noqa: E731
-            if fn is _update_all and device.type != "cpu":  # static shapes (see _chunks), two passes in two graphs
+            if fn is _update_all and _passes_apart(device):  # static shapes (see _chunks), the passes in two graphs
                 self._compiled[key] = _update_compiled(static(_amaxes_all), static(_write_all))
-            elif fn is _accumulate_all and device.type != "cpu":  # likewise, runs of one shape (see _take_grad)
+            elif fn is _accumulate_all and _passes_apart(device):  # likewise, runs of one shape (see _take_grad)
                 self._compiled[key] = _accumulate_compiled(static(_sum_amaxes), static(_store_sums))
             else:  # the stored norms (reductions alone, in chunks of one shape); on a CPU, whose C++ kernels have no
                 self._compiled[key] = static(fn)  # such fusion to avoid, one graph (pass one's values kept)
