@@ -39,7 +39,8 @@ case "${1:-check}" in
     timeout "${TRAIN_S:-180}" python3 -m lowbit train --model.preset 13b --recipe fp8lm-o2 --data.path "$data" \
       --data.seq_len 2048 --train.batch_size 8 --train.micro_batch_size 4 --train.steps 50 --train.warmup_steps 10 \
       --train.lr 3e-4 --train.compile true --train.log_every 5 --train.eval_every 0 --train.eval_batches 1 \
-      --numerics.telemetry_every 0 --checkpoint.save false --run.plot false --run.dir /tmp/run_13b 2>&1 | grep --line-buffered -v -E "^[WIE][0-9]{4}" \
+      --numerics.telemetry_every 0 --checkpoint.save false --run.plot false --run.dir /tmp/run_13b 2>&1 \
+      | grep --line-buffered -v -E "^[WIE][0-9]{4}" \
       | tee "$OUT/train_13b.txt" | tail -n 16
     cp /tmp/run_13b/metrics.jsonl "$OUT/train_13b_metrics.jsonl" 2>/dev/null
     part capacity_7b "${CAP_S:-220}" step --preset 7b --seq 2048 --max-batch 32 --steps 3 --warmup 1 \

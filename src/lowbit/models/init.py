@@ -2,15 +2,14 @@
 on the target device and every tensor initialized there.
 
 Weights are drawn per parameter, each from a CPU generator of its own, seeded by the model's base seed (one draw
-of the global RNG when it is built, so `torch.manual_seed(s)` decides them, as it did) and the parameter's name. Independent streams run in parallel
-threads (torch's CPU generator is serial: drawn in one stream, with the constructors' discarded default inits
-before, LLaMA-7B took about 100 s), and the weights are the same bits on any device, for any build order: a model
-built plainly on the CPU and one built on meta and materialized on a GPU start equal.
+of the global RNG when it is built, so `torch.manual_seed(s)` decides them) and the parameter's name. Independent
+streams run in parallel threads (torch's CPU generator is serial: drawn in one stream, with the constructors'
+discarded default inits before, LLaMA-7B took about 100 s), and the weights are the same bits on any device, for
+any build order: a model built plainly on the CPU and one built on meta and materialized on a GPU start equal.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -55,7 +54,3 @@ def materialize(model: nn.Module, device: torch.device | str) -> nn.Module:
     model.init_buffers()
     model.reset_parameters()
     return model
-
-
-def residual_std(std: float, n_layers: int) -> float:
-    return std / math.sqrt(2 * n_layers)

@@ -17,10 +17,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.checkpoint import checkpoint
 
 from lowbit.errors import LowbitError
-from lowbit.models.init import init_parameters, param_seed, residual_std
+from lowbit.models.init import init_parameters, param_seed
 from lowbit.models.performer import Performer, default_features
 
-# Architecture presets. `1b` is exactly TinyLlama-1.1B; `7b` and `13b` are LLaMA-7B and LLaMA-13B. vocab_size None: from the tokenizer.
+# Architecture presets. `1b` is exactly TinyLlama-1.1B; `7b` and `13b` are LLaMA-7B and LLaMA-13B. vocab_size None:
+# from the tokenizer.
 PRESETS: dict[str, dict] = {
     "tiny": dict(dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_multiple_of=32, vocab_size=None,
                  rope_theta=10000.0, norm_eps=1e-5, tie_embeddings=True),
@@ -336,7 +337,7 @@ class Llama(nn.Module):
         def std_of(name: str) -> float | None:
             if name.endswith("norm.weight"):
                 return None  # ones
-            return residual_std(std, n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
+            return std / math.sqrt(2 * n_layers) if name.endswith(("wo.weight", "w2.weight")) else std
 
         init_parameters(self, std_of, self.init_seed)
         g = torch.Generator().manual_seed(param_seed(self.init_seed, "performer features"))

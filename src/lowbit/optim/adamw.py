@@ -2,22 +2,24 @@
 
 Each parameter group carries a StatePrecision: what the weights, a master copy, the gradients and the two
 moments are stored in. The update itself is fp32 math: decode the states, step, encode them again with fresh
-per-tensor power-of-two scales (MS-AMP's two stages: update + amax, then requantize). Groups that are all fp32
-run torch's fused AdamW kernel.
+per-tensor power-of-two scales, in MS-AMP's two stages as two passes over memory (the new states' amaxes, then
+the states computed again and written with the scales those give). Groups that are all fp32 run torch's fused
+AdamW kernel.
 
 Gradients stored below the weights' precision (FP8, or bf16 for fp32 weights) are taken from autograd by a
 post-accumulate hook: the wgrad GEMM's output (which every GEMM writes in high precision) waits in a run of up to
 CHUNK gradients of one kind and shape, which one call (`_accumulate_all`, compiled on GPU) quantizes into the
 stores and frees; what is left waiting is stored when the backward pass ends. So in eager mode fewer than CHUNK
 high-precision gradients per run (a run per weight shape) live at a time beyond the layer's own; a compiled
-backward hands a whole region's over together.
+backward hands a whole region's over together. Micro-batches accumulate by rescaling: the stored gradient is
+decoded, the new one added in fp32, and the sum re-encoded with the scale of its own amax (one rounding per
+micro-batch, never an overflow). Clearing a store costs nothing (its first add resets scale and flag), and
+clipping rescales every scale at once.
 
 On a GPU the update, the gradient stores and the stored norms are compiled for static shapes, each in two graphs
 where it has both: one of reductions (the amaxes, split across the GPU), one of elementwise writes. Traced with
 dynamic shapes, or with an amax and the writes it scales in one graph, inductor made kernels that one block of
-threads ran over a whole tensor: fp8lm-o2's update took 10 s at `7b`. Micro-batches accumulate by rescaling: the stored gradient is decoded, the new one added
-in fp32, and the sum re-encoded with the scale of its own amax (one rounding per micro-batch, never an overflow).
-Clearing a store costs nothing (its first add resets scale and flag), and clipping rescales every scale at once.
+threads ran over a whole tensor: fp8lm-o2's update took 10 s at `7b`.
 """
 
 from __future__ import annotations
@@ -124,8 +126,8 @@ class GradStore:
 
 
 # Gradients that arrived in this backward and wait to be stored, in runs of stores alike (kind, filled, device,
-# compiled function, shape): a run is stored by one call when it reaches CHUNK, the rest when the backward ends. One
-# compiled call per gradient cost about 0.7 ms of host time each on the H200's host (fp8lm-o1 at `1b`: 110 ms more
+# compiled function, shape): a run is stored by one call when it reaches CHUNK, the rest when the backward ends.
+# One compiled call per gradient cost about 0.7 ms of host time each on the H200's host (fp8lm-o1 at `1b`: 110 ms more
 # GPU idle than fp8lm); CHUNK at a time, fewer than CHUNK high-precision gradients per run wait beyond their
 # layer's. A backward that raises leaves its run waiting: the store's clear() drops it, step() stores it.
 _WAITING: dict[tuple, list[tuple[GradStore, torch.Tensor]]] = {}
@@ -279,6 +281,12 @@ def _chunks(items: list[tuple]) -> list[list[tuple]]:
     for item in items:
         runs.setdefault((item[-1], tuple(item[0].shape)), []).append(item)
     return [run[i:i + CHUNK] for run in runs.values() for i in range(0, len(run), CHUNK)]
+
+
+@functools.cache
+def _have_cxx() -> bool:
+    """Whether inductor's C++ backend finds a compiler (looked up once: the update asks every step)."""
+    return shutil.which(os.environ.get("CXX", "g++")) is not None
 
 
 def _passes_apart(device: torch.device) -> bool:
@@ -455,7 +463,7 @@ class LowbitAdamW(torch.optim.Optimizer):
             return self._compile
         if device.type == "cuda":
             return True
-        return fn is _update_all and numel >= CPU_COMPILE and shutil.which(os.environ.get("CXX", "g++")) is not None
+        return fn is _update_all and numel >= CPU_COMPILE and _have_cxx()
 
     def _fn(self, fn, device: torch.device, numel: int = 0):
         """`fn`, compiled where it pays (see _compiles)."""

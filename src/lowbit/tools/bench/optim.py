@@ -33,18 +33,9 @@ class OneWeight(torch.nn.Module):
 
 
 def _build(a, v, device):
-    from lowbit.recipes import convert, get_recipe
     from lowbit.tools.bench.step import build
-    from lowbit.train.config import load_config, optim_precision
-    from lowbit.train.trainer import build_optimizer
 
-    if not a.shape:
-        return build(a.model_args, v, device)
-    model = OneWeight(*a.shape).to(device)
-    recipe = get_recipe(v.recipe)
-    convert(model, recipe)
-    cfg = load_config(None, ["--recipe", v.recipe])
-    return model, build_optimizer(model, recipe, optim_precision(cfg), cfg)
+    return build(a.model_args, v, device, OneWeight(*a.shape).to(device) if a.shape else None)
 
 
 def _fill_grads(opt) -> None:
@@ -104,7 +95,8 @@ def run_optim(a, device: torch.device, report: Report) -> None:
         if base and "ms" in r:
             r["vs_fp32_adamw"] = r["ms"] / base["ms"]
     t.notes.append("bf16: the bf16 recipe's optimizer, fp32 AdamW in torch's fused kernel (also every recipe's "
-                   "for the parameters it does not cover, and torchao's). bytes/param moved: what the update must read and write at the recipe's storage, averaged over "
-                   "covered and fp32 parameters" + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
+                   "for the parameters it does not cover, and torchao's). bytes/param moved: what the update must "
+                   "read and write at the recipe's storage, averaged over covered and fp32 parameters"
+                   + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
                    + ". The lowbit update reads its inputs twice (amaxes, then the writes).")
     report.save(complete=False)

@@ -17,8 +17,9 @@ from lowbit.tools.bench.common import (Report, Table, back_to_back_ms, error_row
 from lowbit.train.compile import compile_model
 
 
-def build(args, v, device: torch.device):
-    """Model of ModelArgs `args` (converted as the variant says) and the trainer's optimizer for it."""
+def build(args, v, device: torch.device, model: torch.nn.Module | None = None):
+    """Model of ModelArgs `args` (or `model`, a module already on `device`), converted as the variant says, and
+    the trainer's optimizer for it."""
     from lowbit.models.init import materialize
     from lowbit.models.llama import Llama
     from lowbit.recipes import convert, get_recipe
@@ -29,10 +30,11 @@ def build(args, v, device: torch.device):
     recipe_name, overrides = split_entry(v.recipe) if v.impl == "lowbit" else ("bf16", [])
     cfg = load_config(None, ["--recipe", recipe_name, *overrides])
     torch.manual_seed(0)
-    args = dataclasses.replace(args, checkpointing=cfg.model.checkpointing, sdpa_backend=cfg.model.sdpa_backend)
-    with torch.device("meta"):  # built without memory, initialized where it trains (seconds at 7b)
-        model = Llama(args)
-    materialize(model, device)
+    if model is None:
+        args = dataclasses.replace(args, checkpointing=cfg.model.checkpointing, sdpa_backend=cfg.model.sdpa_backend)
+        with torch.device("meta"):  # built without memory, initialized where it trains (seconds at 7b)
+            model = Llama(args)
+        materialize(model, device)
     recipe = get_recipe(recipe_name)
     convert(model, recipe)
     if v.impl == "torchao":
