@@ -345,11 +345,12 @@ def test_zero1_matches_single_process_and_halves_optimizer_states(single, tmp_pa
     assert any(r.get("comm_bytes_zero", 0) > 0 for r in records)
 
 
-def test_zero1_with_low_precision_states_resumes_elsewhere(tmp_path, single):
-    """fp8lm-o2 (bf16 weights, FP8/FP16 states with scales) under dp2 + ZeRO-1 equals dp2 without it, and its
-    checkpoint (every share gathered) continues in one process as the unsharded run's does."""
+@pytest.mark.parametrize("weights", ["bf16", "fp16"])
+def test_zero1_with_low_precision_states_resumes_elsewhere(tmp_path, single, weights):
+    """fp8lm-o2 (bf16 or scaled fp16 weights, FP8/FP16 states with scales) under dp2 + ZeRO-1 equals dp2 without
+    it, and its checkpoint (every share gathered) continues in one process as the unsharded run's does."""
     cache = single[1]
-    o2 = ["--recipe", "fp8lm-o2", "--train.dtype", "bf16"]
+    o2 = ["--recipe", "fp8lm-o2", "--train.dtype", "bf16", "--optim.weights", weights]
     plain = run_layout(tmp_path, "plain", 2, [*o2, "--parallel.dp", "2"], cache)
     sharded = tmp_path / "sharded"
     spawn(2, _train, str(sharded), [*o2, "--parallel.dp", "2", "--parallel.zero", "1", "--train.stop_at", "2"],

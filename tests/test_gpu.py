@@ -75,11 +75,11 @@ def test_compiled_training_with_telemetry(tmp_path, capsys):
     assert len([r for r in read_metrics(tmp_path / "run") if "numerics" in r]) == 3  # steps 1, 2, 4
 
 
-@pytest.mark.parametrize("master", ["none", "fp16", "fp32"])
-def test_compiled_optimizer_update_matches_eager_on_gpu(master):
+@pytest.mark.parametrize("weights,master", [("bf16", "none"), ("bf16", "fp16"), ("bf16", "fp32"), ("fp16", "none")])
+def test_compiled_optimizer_update_matches_eager_on_gpu(weights, master):
     from lowbit.optim import LowbitAdamW, StatePrecision
 
-    prec = StatePrecision(weights="bf16", master=master, grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+    prec = StatePrecision(weights=weights, master=master, grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
     torch.manual_seed(0)
     init = [torch.randn(256, 128, device="cuda") * 0.02, torch.randn(128, 256, device="cuda") * 0.02]
     runs = {}
@@ -91,18 +91,20 @@ def test_compiled_optimizer_update_matches_eager_on_gpu(master):
             sum((p.float() * torch.randn(p.shape, device="cuda", generator=g)).sum() for p in params).backward()
             opt.step()
             opt.zero_grad()
-        runs[compiled] = [p.float() for p in params]
+        runs[compiled] = [p.value() if weights == "fp16" else p.float() for p in params]
     for a, b in zip(runs[False], runs[True]):
         assert (a - b).abs().max().item() <= 2 ** -7 * a.abs().max().item()  # at most a bf16 rounding apart
 
 
-def test_fp8lm_o2_trains_compiled_on_gpu(tmp_path, capsys):
+@pytest.mark.parametrize("weights", ["bf16", "fp16"])
+def test_fp8lm_o2_trains_compiled_on_gpu(tmp_path, capsys, weights):
     import json
 
     from conftest import SMALL, cli
 
     code, out, err = cli(capsys, "train", *SMALL, "--recipe", "fp8lm-o2", "--train.compile", "true",
-                         "--train.steps", "6", "--train.micro_batch_size", "2", "--run.dir", tmp_path / "run")
+                         "--train.steps", "6", "--train.micro_batch_size", "2", "--optim.weights", weights,
+                         "--run.dir", tmp_path / "run")
     assert code == 0, err
     report = json.loads((tmp_path / "run" / "memory.json").read_text())
     assert report["covered"]["bytes_per_param"]["total"] == 6.0

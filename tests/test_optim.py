@@ -8,6 +8,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.optim import AutoScale, LowbitAdamW, StatePrecision, fp8_sum, memory_report
 from lowbit.optim.precision import decode, encode
+from lowbit.optim.scaled_weight import ScaledFP16Weight
 
 
 def _params(seed=0):
@@ -83,6 +84,8 @@ TRACKING = [
     (StatePrecision(weights="bf16", master="fp32", grads="bf16"), 0.03),  # the bf16 rounding of the weights
     (StatePrecision(weights="bf16", master="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16"), 0.10),
     (StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16"), 0.15),
+    (StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16"), 0.10),  # O2's FP16 weights
+    (StatePrecision(weights="fp16", grads="bf16"), 0.08),  # bf16 weights alone: 0.10
     (StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2"), 0.20),
 ]
 
@@ -96,6 +99,7 @@ def tracking_error(prec: StatePrecision, steps: int = 60) -> float:
         opt.step()
         opt.zero_grad()
     ref = _fp64_adamw(_params(), steps)
+    params = [p.value() if isinstance(p, ScaledFP16Weight) else p for p in params]  # not its bf16 view
     err = math.sqrt(sum(((p.double() - r) ** 2).sum().item() for p, r in zip(params, ref)))
     moved = math.sqrt(sum(((r - s) ** 2).sum().item() for r, s in zip(ref, start)))
     return err / moved
@@ -253,6 +257,8 @@ def test_precision_errors_name_the_key():
         StatePrecision(weights="bf16", grads="fp32")
     with pytest.raises(LowbitError, match="optim.master"):
         StatePrecision(weights="bf16", master="bf16", grads="bf16")
+    with pytest.raises(LowbitError, match="optim.master: fp16 weights keep a per-tensor scale"):
+        StatePrecision(weights="fp16", master="fp32", grads="bf16")
 
 
 def _model_report(recipe_name, **optim):
@@ -275,6 +281,7 @@ def _model_report(recipe_name, **optim):
 
 @pytest.mark.parametrize("recipe,optim,expect", [
     ("fp8lm-o2", {}, 6.0),
+    ("fp8lm-o2", {"weights": "fp16"}, 6.0),  # the paper's O2 weights: FP16 with a scale, their own master
     ("fp8lm-o1", {}, 13.0),
     ("fp8lm-o3", {}, 8.0),
     ("nanotron-r2", {}, 10.0),
@@ -318,11 +325,13 @@ def test_fp8_sum_pre_post_and_auto_scaling():
         fp8_sum(parts, "sideways")
 
 
-def test_resume_with_fp8_optimizer_states_is_bit_exact(tmp_path, capsys):
+@pytest.mark.parametrize("weights", ["", "fp16"])
+def test_resume_with_fp8_optimizer_states_is_bit_exact(tmp_path, capsys, weights):
     from conftest import SMALL, cli, losses
 
     full, part = tmp_path / "full", tmp_path / "part"
-    args = [*SMALL, "--recipe", "fp8lm-o2", "--train.steps", "8", "--train.micro_batch_size", "2"]
+    args = [*SMALL, "--recipe", "fp8lm-o2", "--train.steps", "8", "--train.micro_batch_size", "2",
+            *(["--optim.weights", weights] if weights else [])]
     assert cli(capsys, "train", *args, "--run.dir", full)[0] == 0
     assert cli(capsys, "train", *args, "--train.stop_at", "4", "--run.dir", part)[0] == 0
     code, out, _ = cli(capsys, "train", *args, "--run.dir", part, "--run.resume")
@@ -332,6 +341,17 @@ def test_resume_with_fp8_optimizer_states_is_bit_exact(tmp_path, capsys):
 
     report = json.loads((full / "memory.json").read_text())
     assert report["covered"]["bytes_per_param"]["total"] == 6.0
+    if weights:  # the checkpoint holds FP16 data and its scale; what generate and export-hf read is the value
+        from lowbit.train import checkpoint as ckpt
+        from lowbit.tools.generate import load_trained
+
+        path = ckpt.latest_for_inference(full)
+        stored, values = ckpt.read_whole(path), ckpt.load_model_weights(path)[0]
+        key = next(k for k in stored if k.endswith("attention.wq.weight"))
+        assert stored[key].dtype == torch.float16 and stored[key].abs().max() > 1000
+        ratio = (stored[key].float() / values[key])[stored[key] != 0]
+        assert values[key].abs().max() < 1 and torch.all(ratio == ratio[0]) and ratio[0].log2().frac() == 0
+        assert load_trained(str(full))[0](torch.tensor([[1, 2, 3]])).isfinite().all()
     # resuming under other optimizer storage is refused in one line, before anything is written
     code, _, err = cli(capsys, "train", *args, "--train.steps", "8", "--optim.exp_avg_sq", "bf16", "--run.dir", part,
                        "--run.resume")
@@ -459,6 +479,49 @@ def test_bf16_weights_without_a_master_keep_small_updates_only_with_stochastic_r
             assert torch.equal(p.float(), torch.ones(20_000))
         else:
             assert p.float().mean().item() == pytest.approx(1 - steps * lr, abs=2e-4)
+
+
+def test_fp16_weights_with_a_scale_keep_the_small_updates_bf16_drops():
+    # W ~ N(0, 0.02) and one Adam step of lr = 1e-4 (m / sqrt(v) = +-1 on the first step): under half a bf16 ulp
+    # wherever |w| >= 2^-5 (about 12% of the entries), under none of FP16's
+    lost = {}
+    for weights in ("bf16", "fp16"):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(512, 512) * 0.02)
+        opt = LowbitAdamW([p], lr=1e-4, weight_decay=0.0, precision=StatePrecision(
+            weights=weights, grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16"))
+        value = p.value if weights == "fp16" else lambda: p.detach().float()
+        before = value().clone()
+        _backward([p], [torch.randn(512, 512)])
+        opt.step()
+        lost[weights] = (value() == before).float().mean().item()
+        assert (value() - before).abs().mean().item() == pytest.approx(1e-4, rel=0.05)
+    assert 0.10 < lost["bf16"] < 0.14 and lost["fp16"] < 1e-4  # the few left: gradients E4M3 flushes to zero
+    assert isinstance(p, ScaledFP16Weight) and p.dtype == torch.bfloat16 and p._data.dtype == torch.float16
+    assert 32768 <= p._data.float().abs().max().item() <= 65504  # the scale puts the amax at the top of the range
+    assert memory_report(opt)["model"]["bytes_per_param"]["weights"] == 2.0
+
+
+def test_scaled_fp16_weight_reads_as_bf16_and_writes_back_scaled():
+    w = torch.randn(16, 8) * 0.02
+    p = torch.nn.Parameter(ScaledFP16Weight.of(w))
+    assert (p.value() - w).abs().max().item() <= w.abs().max().item() * 2 ** -11
+    assert type(p.detach()) is ScaledFP16Weight and p.detach()._data.data_ptr() == p._data.data_ptr()
+    assert torch.equal(p.float(), p.value().bfloat16().float())  # any other op reads the bf16 value
+    x = torch.randn(4, 8, dtype=torch.bfloat16, requires_grad=True)
+    torch.nn.functional.linear(x, p).float().sum().backward()
+    assert type(p.grad) is torch.Tensor and p.grad.dtype == torch.bfloat16  # bf16 gradients: no fp16 underflow
+    torch.testing.assert_close(p.grad.float(), x.detach().float().sum(0).expand(16, 8), rtol=1e-2, atol=1e-2)
+    with torch.no_grad():
+        p.mul_(1000.0)  # in place: computed in fp32, stored back with the new amax's scale
+    assert (p.value() - 1000 * w).abs().max().item() <= 1000 * w.abs().max().item() * 2 ** -10
+    assert p._data.float().abs().max().item() >= 32768
+    with pytest.raises(TypeError, match="only in place"):
+        torch.add(torch.ones(16, 8), 1.0, out=p.detach())
+    m = torch.nn.Linear(8, 16, bias=False)
+    torch.utils.swap_tensors(m.weight, torch.nn.Parameter(ScaledFP16Weight.of(w)))
+    compiled = torch.compile(m, backend="aot_eager")  # flatten/unflatten: traced through
+    torch.testing.assert_close(compiled(x.detach()), m(x.detach()), rtol=0, atol=0)
 
 
 def test_rounding_is_checked_and_may_change_on_resume():

@@ -7,6 +7,7 @@ and reads back whatever pieces another layout asks for. So no process ever holds
 - ZeRO-1: a replica names only the optimizer states it owns;
 - FSDP2: parameters are DTensors already (this rank's dim-0 shard), and their optimizer states, kept beside the
   local shard, are wrapped with the parameter's placements;
+- fp16 weights (ScaledFP16Weight): their FP16 data, the scale being the optimizer state `weights_scale`;
 - everything else is replicated and named by every process alike.
 The same dict is the target of a load: the tensors are the live ones, so loading fills them in place.
 """
@@ -18,6 +19,7 @@ from torch import nn
 
 from lowbit.distributed.fsdp_fp8 import plain
 from lowbit.distributed.tensor_parallel import sharded_names
+from lowbit.optim.scaled_weight import stored_scaled
 
 MODEL, OPTIMIZER = "model.", "optimizer."
 
@@ -43,7 +45,7 @@ def checkpoint_tensors(model: nn.Module, optimizer, mesh) -> dict[str, torch.Ten
     """Flat {global name: this process's piece}: "model.<state key>" and "optimizer.<parameter>.<state>"."""
     tp_mesh = mesh.device_mesh["tp"] if mesh.sizes["tp"] > 1 else None
     dims = sharded_names(model)
-    out = {MODEL + k: _piece(plain(v), dims.get(k), tp_mesh) for k, v in model.state_dict().items()}
+    out = {MODEL + k: _piece(stored_scaled(plain(v)), dims.get(k), tp_mesh) for k, v in model.state_dict().items()}
     name_of = {p: n for n, p in model.named_parameters()}
     for group in optimizer.param_groups:
         for p in group["params"]:

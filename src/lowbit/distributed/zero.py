@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from lowbit.optim.scaled_weight import ScaledFP16Weight
+
 
 def partition(sizes: list[int], n: int) -> list[int]:
     """Owner (0..n-1) of each tensor."""
@@ -19,6 +21,11 @@ def partition(sizes: list[int], n: int) -> list[int]:
         owner[i] = r
         load[r] += sizes[i]
     return owner
+
+
+def _storage(p: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors that hold a parameter's value."""
+    return [p._data, p._scale.view(1)] if isinstance(p, ScaledFP16Weight) else [p.data]
 
 
 class Zero1:
@@ -32,16 +39,17 @@ class Zero1:
 
     @torch.no_grad()
     def broadcast(self) -> None:
-        """Every owner sends its updated weights (in their storage dtype, one flat buffer per dtype)."""
+        """Every owner sends its updated weights as stored (one flat buffer per dtype; fp16 weights as their data
+        and scale, whose dequantized bf16 would round them)."""
         for r in range(self.n):
-            mine = [p for p, o in zip(self.params, self.owner) if o == r]
-            for dtype in sorted({p.dtype for p in mine}, key=str):
-                ps = [p for p in mine if p.dtype == dtype]
-                flat = torch.cat([p.data.reshape(-1) for p in ps])
+            mine = [t for p, o in zip(self.params, self.owner) if o == r for t in _storage(p)]
+            for dtype in sorted({t.dtype for t in mine}, key=str):
+                ts = [t for t in mine if t.dtype == dtype]
+                flat = torch.cat([t.reshape(-1) for t in ts])
                 dist.broadcast(flat, src=dist.get_global_rank(self.group, r), group=self.group)
                 if r == self.rank:
                     self.bytes_sent += flat.numel() * flat.element_size() * (self.n - 1)  # a flat tree: N-1 copies
                 offset = 0
-                for p in ps:
-                    p.data.copy_(flat[offset:offset + p.numel()].view(p.shape))
-                    offset += p.numel()
+                for t in ts:
+                    t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+                    offset += t.numel()

@@ -37,6 +37,7 @@ from lowbit.backward_end import at_backward_end
 from lowbit.errors import LowbitError
 from lowbit.optim.graphs import Graphed, key_of
 from lowbit.optim.precision import KINDS, StatePrecision, _pow2_scale, decode, encode, stochastic_round, store
+from lowbit.optim.scaled_weight import ScaledFP16Weight
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
 CHUNK = 8  # tensors per compiled call (update, gradient store): few calls, yet graphs that compile in seconds
@@ -172,7 +173,7 @@ def _fresh(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, 
            kinds, weights: bool = True):
     """The updated moments (and weights, if `weights`) in fp32, from stored states: AdamW's math, elementwise, so
     any slice of the tensors gives that slice of the result. `step`, `lr`: 0-dim tensors (no recompiles)."""
-    k_m, k_v, k_master, _ = kinds
+    k_m, k_v, k_master = kinds[:3]
     g = decode(g, g_kind, g_scale)
     t = step + 1
     m32 = decode(m, k_m, m_scale).lerp(g, 1 - beta1)  # out of place: an fp32 state decodes to itself
@@ -187,14 +188,14 @@ def _fresh(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, 
 
 def _scaled(kinds, m_scale, v_scale, master_scale) -> list[tuple[str, str, torch.Tensor]]:
     """The states stored in scaled kinds, whose new scale comes from their new amax: (name, kind, scale)."""
-    k_m, k_v, k_master, _ = kinds
+    k_m, k_v, k_master = kinds[:3]
     return [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
             if k != "none" and KINDS[k][1]]
 
 
 def _pieces(tensors, span: int | None) -> list:
     """The tensors whole (span None, or one that is not contiguous), or in slices of `span` elements."""
-    n = tensors[0].numel()
+    n = max(t.numel() for t in tensors)
     if span is None or span >= n or not all(t.is_contiguous() for t in tensors):
         return [tensors]
     flat = [t.view(-1) if t.dim() else t for t in tensors]  # a 0-dim `master` is a placeholder
@@ -224,7 +225,7 @@ def _write(item: tuple, lr, beta1, beta2, eps, kinds, amax, span=None, kept=None
     """Pass two (the second stage): the new states computed again (or `kept` from pass one) and written with the
     scales of their new amaxes; the step counted."""
     p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd = item
-    k_m, k_v, k_master, rounding = kinds
+    k_m, k_v, k_master, rounding, own = kinds
     scaled = _scaled(kinds, m_scale, v_scale, master_scale)
     new = {n: _pow2_scale(amax[i], KINDS[k][2], s) for i, (n, k, s) in enumerate(scaled)}
     for pp, gg, mm, vv, ww in _pieces((p, g, m, v, master), span):
@@ -236,7 +237,8 @@ def _write(item: tuple, lr, beta1, beta2, eps, kinds, amax, span=None, kept=None
             store(w, k_master, new.get("w", master_scale), out=ww, rounding=rounding)
         elif rounding == "stochastic" and p.dtype == torch.bfloat16:  # bf16 weights are their own master: the same
             w = stochastic_round(w, "bf16")
-        pp.copy_(w)
+        if not own:  # `own`: the master is the weights' own storage (a ScaledFP16Weight), just written
+            pp.copy_(w)
     for n, _, s in scaled:
         s.copy_(new[n])
     step += 1
@@ -279,7 +281,7 @@ def _chunks(items: list[tuple]) -> list[list[tuple]]:
     so a chunk holds tensors of one shape, and a model's few weight shapes give a few graphs."""
     runs: dict[tuple, list[tuple]] = {}
     for item in items:
-        runs.setdefault((item[-1], tuple(item[0].shape)), []).append(item)
+        runs.setdefault((item[-1], tuple(item[1].shape)), []).append(item)  # the gradient's: p may be a placeholder
     return [run[i:i + CHUNK] for run in runs.values() for i in range(0, len(run), CHUNK)]
 
 
@@ -364,7 +366,11 @@ class LowbitAdamW(torch.optim.Optimizer):
             init = local(p.detach()).float() if name == "master" else torch.zeros(local(p).shape, device=p.device)
             st[f"{name}_scale"] = torch.ones((), device=p.device)
             st[name] = encode(init, kind, st[f"{name}_scale"])
-        if p.dtype != KINDS[prec.weights][0]:
+        if prec.weights == "fp16":
+            if not isinstance(p, ScaledFP16Weight):  # the same Parameter object, now stored scaled
+                torch.utils.swap_tensors(p, torch.nn.Parameter(ScaledFP16Weight.of(p), p.requires_grad))
+            st["weights_scale"] = p._scale  # the scale itself, so that a checkpoint saves and loads it in place
+        elif p.dtype != KINDS[prec.weights][0]:
             p.data = p.data.to(KINDS[prec.weights][0])
         # One hook per parameter, taking gradients for whichever optimizer holds it last (none: left alone).
         p._lowbit_grad_owner = None
@@ -511,22 +517,24 @@ class LowbitAdamW(torch.optim.Optimizer):
             device = pairs[0][0].device
             updates.setdefault(device, [])
             none = self._placeholder.setdefault(device, torch.ones((), device=device))  # for absent states
+            own = prec.weights == "fp16"  # ScaledFP16Weights: their data and scale are the master, updated in place
             items = []
             for (p, g), wd in zip(pairs, wd_of):
                 st = self.state[p]
                 store = self._grads.get(p)
                 grad = (store.data, store.scale, store.kind) if store is not None else (local(g), none, "fp32")
                 # detached: a Parameter's shape is static to dynamo (a graph per weight shape), a tensor's is not
-                items.append((local(p).detach(), *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"],
-                              st["exp_avg_sq_scale"], st.get("master", none), st.get("master_scale", none),
-                              st["step"], wd))
+                w, master = (none, (p._data, p._scale)) if own else \
+                    (local(p).detach(), (st.get("master", none), st.get("master_scale", none)))
+                items.append((w, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
+                              *master, st["step"], wd))
             lr = self._lr.get((gi, device))  # a tensor: no recompiles as lr changes, and a graph reads it
             if lr is None:
                 lr = self._lr[(gi, device)] = torch.zeros((), device=device)
             lr.fill_(group["lr"])
-            kinds = (prec.exp_avg, prec.exp_avg_sq, prec.master, prec.rounding)
+            kinds = (prec.exp_avg, prec.exp_avg_sq, "fp16" if own else prec.master, prec.rounding, own)
             for chunk in _chunks(items):  # eager on a CPU: in slices; compiled: whole tensors, fused
-                numel = chunk[0][0].numel()
+                numel = chunk[0][1].numel()
                 span = None if self._compiles(_update_all, device, numel) else SPAN
                 updates[device].append((self._fn(_update_all, device, numel),
                                         (chunk, lr, beta1, beta2, group["eps"], kinds, span)))
@@ -638,3 +646,6 @@ class LowbitAdamW(torch.optim.Optimizer):
             if i in state_dict["state"] and (self.owned is None or p in self.owned):
                 self.state[p] = {k: v.to(p.device) if isinstance(v, torch.Tensor) else v
                                  for k, v in state_dict["state"][i].items()}
+                if isinstance(p, ScaledFP16Weight) and "weights_scale" in self.state[p]:  # the weight's own scale
+                    p._scale.copy_(self.state[p]["weights_scale"])
+                    self.state[p]["weights_scale"] = p._scale

@@ -29,7 +29,7 @@ KINDS = {
     "e5m2": (torch.float8_e5m2, True, 57344.0),
 }
 ALLOWED = {
-    "weights": ("fp32", "bf16"),
+    "weights": ("fp32", "bf16", "fp16"),  # fp16: scaled, its own master (lowbit.optim.scaled_weight)
     "master": ("none", "fp32", "bf16", "fp16"),
     "grads": ("fp32", "bf16", "e4m3", "e5m2"),
     "exp_avg": ("fp32", "bf16", "e4m3"),
@@ -46,10 +46,11 @@ GRID = {"bf16": (-119, 7), "fp16": (-14, 10), "e4m3": (-6, 3), "e5m2": (-14, 2)}
 class StatePrecision:
     """Storage of one parameter and its optimizer states. Update math is always fp32.
 
-    weights: the parameter the model computes with. master: a separate copy the update is applied to (`none`:
-    the weights are the master). grads: what a gradient is kept in between backward and the step. rounding: how
-    the update writes the states it keeps (exp_avg, exp_avg_sq, master, and bf16 weights that are their own
-    master), nearest or stochastic; gradients, and weights written from a master, always round to nearest."""
+    weights: the parameter the model computes with (fp16: a ScaledFP16Weight, seen as bf16, its own master).
+    master: a separate copy the update is applied to (`none`: the weights are the master). grads: what a
+    gradient is kept in between backward and the step. rounding: how the update writes the states it keeps
+    (exp_avg, exp_avg_sq, master, and bf16 or fp16 weights that are their own master), nearest or stochastic;
+    gradients, and weights written from a master, always round to nearest."""
 
     weights: str = "fp32"
     master: str = "none"
@@ -65,6 +66,9 @@ class StatePrecision:
         if self.grads == "fp32" and self.weights != "fp32":
             raise LowbitError(f"optim.grads: fp32 gradients need fp32 weights (autograd delivers gradients in the "
                               f"weights' dtype, {self.weights})")
+        if self.weights == "fp16" and self.master != "none":
+            raise LowbitError(f"optim.master: fp16 weights keep a per-tensor scale and are their own master; use "
+                              f"master = \"none\" (got {self.master})")
         if self.master == self.weights:
             raise LowbitError(f"optim.master: a {self.master} master copy of {self.weights} weights is the weights "
                               f"again; use master = \"none\"")

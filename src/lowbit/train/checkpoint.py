@@ -208,10 +208,11 @@ def load_tensors(path: Path, tensors: dict[str, torch.Tensor], model_keys: set[s
         raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
 
 
-def read_whole(path: Path, prefix: str = MODEL) -> dict[str, torch.Tensor]:
-    """Whole tensors whose names start with `prefix` (dropped from the keys), read in this process alone."""
+def read_whole(path: Path, prefix: str = MODEL, suffix: str = "") -> dict[str, torch.Tensor]:
+    """Whole tensors whose names start with `prefix` (dropped from the keys) and end with `suffix`, read in this
+    process alone."""
     tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in _stored(path).items()
-               if k.startswith(prefix) and hasattr(m, "size")}
+               if k.startswith(prefix) and k.endswith(suffix) and hasattr(m, "size")}
     try:
         dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
     except Exception as e:
@@ -226,7 +227,11 @@ def load_model_weights(path: Path) -> tuple[dict, dict]:
         info = json.loads((path / "trainer.json").read_text())
     except (OSError, ValueError) as e:
         raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
-    return read_whole(path), info
+    state = read_whole(path)
+    for key, scale in read_whole(path, "optimizer.", ".weights_scale").items():  # fp16 weights: stored scaled
+        name = key[:-len(".weights_scale")]
+        state[name] = state[name].float() / scale
+    return state, info
 
 
 def latest_for_inference(run_dir: str | Path) -> Path:

@@ -112,7 +112,8 @@ class NumericsConfig:
 
 @dataclass
 class OptimConfig:
-    weights: str = opt("", "storage of the covered weights: fp32 | bf16; empty: the recipe's")
+    weights: str = opt("", "storage of the covered weights: fp32 | bf16 | fp16 (with a per-tensor scale, its own "
+                           "master: FP8-LM O2's); empty: the recipe's")
     master: str = opt("", "master copy of the covered weights: none | fp32 | bf16 | fp16 (scaled); empty: the recipe's")
     grads: str = opt("", "covered weight gradients: fp32 | bf16 | e4m3 | e5m2 (scaled); empty: the recipe's")
     exp_avg: str = opt("", "Adam first moment of the covered weights: fp32 | bf16 | e4m3; empty: the recipe's")
