@@ -287,3 +287,16 @@ def test_largest_batch_search():
     for cap in range(1, 20):
         for limit in range(0, 24):
             assert largest_batch(lambda b: b <= limit, cap) == min(limit, cap)
+            for miss in (-3, -1, 0, 1, 4):  # a prediction off by `miss`: still the exact answer, in few tries
+                tried = []
+                fits = lambda b: tried.append(b) or b <= limit  # noqa: E731
+                got = largest_batch(fits, cap, lambda: max(1, limit + miss) if len(tried) >= 2 else None)
+                assert got == min(limit, cap), (cap, limit, miss, tried)
+                assert len(tried) <= 2 + abs(miss) + 2
+
+
+def test_linear_memory_guess():
+    from lowbit.tools.bench.capacity import _linear_guess
+
+    assert _linear_guess({1: 10.0}, 100.0) is None
+    assert _linear_guess({1: 10.0, 2: 17.0, 4: 31.0}, 100.0) == 13  # 3 + 7 b <= 100

@@ -2,7 +2,8 @@
 training step fits in the GPU's memory, and the step's speed there: what a recipe's memory savings buy. One
 model and optimizer per variant; batch sizes doubled until a step runs out of memory, then bisected; each tried
 size runs one whole step (forward, backward, clipping, update), so the optimizer's states and the compiled
-graphs' workspaces count. Activation checkpointing is a variant like any other setting:
+graphs' workspaces count. On a GPU, once two sizes have fit, the next size tried is the one their peak memory
+predicts (linear in the batch), then its neighbours. Activation checkpointing is a variant like any other setting:
 `fp8lm-o2+model.checkpointing=full`."""
 
 from __future__ import annotations
@@ -29,20 +30,32 @@ def _step_fn(fwd, opt, device):
     return step
 
 
-def largest_batch(fits, cap: int) -> int:
-    """The largest b in 1..cap with fits(b) (0 if none), fits being monotone: doubling, then bisection."""
-    lo, b = 0, 1  # lo: the largest size known to fit
-    while b <= cap and fits(b):
-        lo, b = b, b * 2
-    hi = b  # the smallest size known not to fit (or, past cap, one above what may be tried)
-    if b > cap:
-        if lo == cap or fits(cap):
-            return cap
-        hi = cap
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo
+def largest_batch(fits, cap: int, predict=None) -> int:
+    """The largest b in 1..cap with fits(b) (0 if none), fits being monotone. Without `predict`: doubling, then
+    bisection. `predict()`: the size the memory measured so far says is the largest that fits (None while it
+    cannot tell), tried next, so that a 7b step costs about four tries, not eight."""
+    ok, oom = 0, cap + 1  # the largest size known to fit, the smallest known not to
+    while oom - ok > 1:
+        guess = predict() if predict is not None else None
+        if guess is not None:
+            b = min(max(guess, ok + 1), oom - 1)
+        else:
+            b = min(ok * 2, cap) if oom > cap and ok else max(1, (ok + oom) // 2) if oom <= cap else 1
+        if fits(b):
+            ok = b
+        else:
+            oom = b
+    return ok
+
+
+def _linear_guess(peaks: dict[int, float], limit: float):
+    """From the peak bytes of the two largest sizes that fit, the largest size whose peak stays under `limit`
+    (memory grows linearly with the batch); None with fewer than two."""
+    if len(peaks) < 2:
+        return None
+    (b0, p0), (b1, p1) = sorted(peaks.items())[-2:]
+    per = (p1 - p0) / (b1 - b0)
+    return max(1, int((limit - p1) // per) + b1) if per > 0 else None
 
 
 def run_capacity(a, device: torch.device, report: Report) -> None:
@@ -59,14 +72,18 @@ def run_capacity(a, device: torch.device, report: Report) -> None:
             model, opt = build(a.model_args, v, device)
             fwd = compile_model(model, a.compile_scope) if a.compile else model
             step = _step_fn(fwd, opt, device)
-            tried = []
+            tried, peaks = [], {}
 
             def fits(b: int) -> bool:
                 x, y = batch(b, a.seq, a.vocab, device)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
                 try:
                     step(x, y)
                     sync(device)
                     ok = True
+                    if device.type == "cuda":
+                        peaks[b] = torch.cuda.max_memory_allocated(device)
                 except torch.OutOfMemoryError:
                     ok = False
                 opt.zero_grad(set_to_none=True)
@@ -77,7 +94,9 @@ def run_capacity(a, device: torch.device, report: Report) -> None:
                 tried.append(f"{b}{'' if ok else ' (oom)'}")
                 return ok
 
-            best = largest_batch(fits, a.max_batch)
+            # 97% of the GPU: the caching allocator's fragmentation and the CUDA context take the rest
+            limit = 0.97 * torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+            best = largest_batch(fits, a.max_batch, (lambda: _linear_guess(peaks, limit)) if limit else None)
             row["tried"] = ", ".join(tried)
             if not best:
                 row["error"] = "out of memory at batch 1"
