@@ -102,6 +102,7 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     (["step", "--recipes", "fp8lm-o2+optim.nope=1"], "nope"),
     (["step", "--recipes", "fp8lm-o2+optim.rounding=up"], "optim.rounding"),
     (["step", "--recipes", "fp8lm-o2+train.lr=0.1"], "sets only optim.* keys"),
+    (["optim", "--recipes", "fp8lm-o2+model.checkpointing=full"], "sets only optim.* keys\n"),
     (["step", "--recipes", "bf16+model.dim=64"], "model.sdpa_backend"),  # a preset's shape is not a variant
 ])
 def test_bench_user_errors_are_one_line(args, needle, capsys):

@@ -169,21 +169,29 @@ def _store_waiting() -> None:
         _store_run(run)
 
 
-def _fresh(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, lr, beta1, beta2, eps,
-           kinds, weights: bool = True):
+def _bias(step, beta1: float, beta2: float) -> torch.Tensor:
+    """AdamW's bias corrections for the step after `step`: [1 - beta1^t, sqrt(1 - beta2^t)]."""
+    t = step + 1
+    return torch.stack([1 - beta1 ** t, torch.sqrt(1 - beta2 ** t)])
+
+
+def _fresh(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias, lr, beta1, beta2,
+           eps, kinds, weights: bool = True):
     """The updated moments (and weights, if `weights`) in fp32, from stored states: AdamW's math, elementwise, so
-    any slice of the tensors gives that slice of the result. `step`, `lr`: 0-dim tensors (no recompiles)."""
+    any slice of the tensors gives that slice of the result. `step`, `lr`: 0-dim tensors (no recompiles). `bias`:
+    _bias(step) if the caller has it (a CPU's: inductor's C++ kernels computed its powers once per vector, a third
+    of the update's time), else None."""
     k_m, k_v, k_master = kinds[:3]
     g = decode(g, g_kind, g_scale)
-    t = step + 1
+    bc1, bc2 = _bias(step, beta1, beta2) if bias is None else bias
     m32 = decode(m, k_m, m_scale).lerp(g, 1 - beta1)  # out of place: an fp32 state decodes to itself
     v32 = (decode(v, k_v, v_scale) * beta2).addcmul_(g, g, value=1 - beta2)
     if not weights:
         return m32, v32, None
     w = decode(master, k_master, master_scale) if k_master != "none" else p.float()
     w = w * (1 - lr * wd)
-    denom = (v32.sqrt() / torch.sqrt(1 - beta2 ** t)).add_(eps)
-    return m32, v32, w - (lr / (1 - beta1 ** t)) * m32 / denom
+    denom = (v32.sqrt() / bc2).add_(eps)
+    return m32, v32, w - (lr / bc1) * m32 / denom
 
 
 def _scaled(kinds, m_scale, v_scale, master_scale) -> list[tuple[str, str, torch.Tensor]]:
@@ -205,7 +213,7 @@ def _pieces(tensors, span: int | None) -> list:
 def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = False):
     """Pass one of the update (MS-AMP's first stage): the amax of each scaled state's new value, nothing written.
     Returns (amaxes or None, pass one's values when `keep` and the tensor was one piece)."""
-    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd = item
+    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias = item
     scaled = _scaled(kinds, m_scale, v_scale, master_scale)
     if not scaled:
         return None, None
@@ -213,7 +221,7 @@ def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = F
     keep = keep and len(pieces) == 1
     amax = kept = None
     for pp, gg, mm, vv, ww in pieces:
-        out = _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww, master_scale, step, wd, lr, beta1,
+        out = _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww, master_scale, step, wd, bias, lr, beta1,
                      beta2, eps, kinds, weights=keep or scaled[-1][0] == "w")
         now = torch.stack([dict(zip("mvw", out))[n].abs().amax() for n, _, _ in scaled])
         amax = now if amax is None else torch.maximum(amax, now)
@@ -221,16 +229,23 @@ def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = F
     return amax, kept
 
 
-def _write(item: tuple, lr, beta1, beta2, eps, kinds, amax, span=None, kept=None) -> None:
-    """Pass two (the second stage): the new states computed again (or `kept` from pass one) and written with the
-    scales of their new amaxes; the step counted."""
-    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd = item
+def _new_scales(item: tuple, kinds, amax):
+    """The scales the new amaxes give the scaled states (stacked in _scaled's order), or None."""
+    scaled = _scaled(kinds, item[5], item[7], item[9])
+    return torch.stack([_pow2_scale(amax[i], KINDS[k][2], s) for i, (_, k, s) in enumerate(scaled)]) \
+        if scaled else None
+
+
+def _write(item: tuple, lr, beta1, beta2, eps, kinds, scales, span=None, kept=None) -> None:
+    """Pass two (the second stage): the new states computed again (or `kept` from pass one) and written with
+    `scales` (_new_scales); the step counted."""
+    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias = item
     k_m, k_v, k_master, rounding, own = kinds
     scaled = _scaled(kinds, m_scale, v_scale, master_scale)
-    new = {n: _pow2_scale(amax[i], KINDS[k][2], s) for i, (n, k, s) in enumerate(scaled)}
+    new = {n: scales[i] for i, (n, _, _) in enumerate(scaled)}
     for pp, gg, mm, vv, ww in _pieces((p, g, m, v, master), span):
         m32, v32, w = kept if kept is not None else _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww,
-                                                            master_scale, step, wd, lr, beta1, beta2, eps, kinds)
+                                                            master_scale, step, wd, bias, lr, beta1, beta2, eps, kinds)
         store(m32, k_m, new.get("m", m_scale), out=mm, rounding=rounding)
         store(v32, k_v, new.get("v", v_scale), out=vv, rounding=rounding)
         if k_master != "none":  # a low-precision master loses updates under half its ulp unless rounded stochastically
@@ -252,20 +267,21 @@ def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> 
     keep = not torch.compiler.is_compiling()  # compiled (a CPU's one graph), recomputing costs less than storing
     for item in items:
         amax, kept = _amaxes(item, lr, beta1, beta2, eps, kinds, span, keep=keep)
-        _write(item, lr, beta1, beta2, eps, kinds, amax, span, kept)
+        _write(item, lr, beta1, beta2, eps, kinds, _new_scales(item, kinds, amax), span, kept)
 
 
 def _amaxes_all(items: list[tuple], lr, beta1, beta2, eps, kinds) -> list:
-    """Pass one for a chunk: one compiled graph of reductions only (split across the GPU)."""
-    return [_amaxes(item, lr, beta1, beta2, eps, kinds)[0] for item in items]
+    """Pass one for a chunk: one compiled graph of reductions only (split across the GPU), returning the new
+    scales, which pass two loads."""
+    return [_new_scales(item, kinds, _amaxes(item, lr, beta1, beta2, eps, kinds)[0]) for item in items]
 
 
-def _write_all(items: list[tuple], lr, beta1, beta2, eps, kinds, amaxes) -> None:
-    """Pass two for a chunk: one compiled graph of elementwise kernels, the amaxes its inputs. Compiled apart from
-    pass one: in one graph, inductor fused each tensor's reduction and writes into a kernel that one block of
+def _write_all(items: list[tuple], lr, beta1, beta2, eps, kinds, scales) -> None:
+    """Pass two for a chunk: one compiled graph of elementwise kernels, the new scales its inputs. Compiled apart
+    from pass one: in one graph, inductor fused each tensor's reduction and writes into a kernel that one block of
     threads ran over the whole tensor (fp8lm-o2's update took 10 s at `7b`)."""
-    for item, amax in zip(items, amaxes):
-        _write(item, lr, beta1, beta2, eps, kinds, amax)
+    for item, new in zip(items, scales):
+        _write(item, lr, beta1, beta2, eps, kinds, new)
 
 
 def _update_compiled(amaxes_fn, write_fn):
@@ -281,7 +297,7 @@ def _chunks(items: list[tuple]) -> list[list[tuple]]:
     so a chunk holds tensors of one shape, and a model's few weight shapes give a few graphs."""
     runs: dict[tuple, list[tuple]] = {}
     for item in items:
-        runs.setdefault((item[-1], tuple(item[1].shape)), []).append(item)  # the gradient's: p may be a placeholder
+        runs.setdefault((item[11], tuple(item[1].shape)), []).append(item)  # the gradient's: p may be a placeholder
     return [run[i:i + CHUNK] for run in runs.values() for i in range(0, len(run), CHUNK)]
 
 
@@ -526,8 +542,10 @@ class LowbitAdamW(torch.optim.Optimizer):
                 # detached: a Parameter's shape is static to dynamo (a graph per weight shape), a tensor's is not
                 w, master = (none, (p._data, p._scale)) if own else \
                     (local(p).detach(), (st.get("master", none), st.get("master_scale", none)))
+                # a CPU's bias corrections computed here, once (see _fresh); a GPU's in its graphs, which replay
+                bias = _bias(st["step"], beta1, beta2) if device.type == "cpu" else None
                 items.append((w, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
-                              *master, st["step"], wd))
+                              *master, st["step"], wd, bias))
             lr = self._lr.get((gi, device))  # a tensor: no recompiles as lr changes, and a graph reads it
             if lr is None:
                 lr = self._lr[(gi, device)] = torch.zeros((), device=device)

@@ -110,7 +110,7 @@ def _shape(text: str) -> tuple[int, int] | None:
 
 def _resolve(a: argparse.Namespace, device) -> None:
     """Defaults for the device, and every check of the input, before anything is measured or written."""
-    from lowbit.tools.bench.common import lowbit_recipes, torchao_recipes
+    from lowbit.tools.bench.common import STEP_SETTINGS, lowbit_recipes, torchao_recipes
     from lowbit.tools.bench.layers import preset_args
 
     gpu = device.type == "cuda"
@@ -133,7 +133,8 @@ def _resolve(a: argparse.Namespace, device) -> None:
     if a.what in ("block", "step", "memory", "optim"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
         a.model_args = preset_args(a.preset, a.seq, getattr(a, "vocab", 32000))
     if a.what != "gemm":
-        a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16, variants=a.what == "step")
+        settings = {"step": STEP_SETTINGS, "optim": ("--optim.",)}.get(a.what, ())  # what a variant may set
+        a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16, variants=settings)
         a.torchao_list = torchao_recipes(a.torchao)
 
 

@@ -166,11 +166,10 @@ def maybe_compile(module, compiled: bool):
 STEP_SETTINGS = ("--optim.", "--model.checkpointing=", "--model.sdpa_backend=")  # how the step computes, not what
 
 
-def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) -> list[str]:
+def lowbit_recipes(names: str, baseline: bool = True, variants: tuple[str, ...] = ()) -> list[str]:
     """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
-    a user error. `variants`: an entry may be RECIPE+section.key=value (as in `lowbit compare`), the trainer's
-    config with those settings (`bench step`: optim.*, and how
-    the preset's model computes: model.checkpointing, model.sdpa_backend)."""
+    a user error. `variants`: the settings an entry RECIPE+section.key=value (as in `lowbit compare`) may set, the
+    trainer's config with those (`bench step`: STEP_SETTINGS; `bench optim`: optim.*); none: no variants."""
     from lowbit.tools.compare import split_entry
     from lowbit.train.config import load_config
 
@@ -178,10 +177,12 @@ def lowbit_recipes(names: str, baseline: bool = True, variants: bool = False) ->
     for n in out:
         base, overrides = split_entry(n)
         if overrides and not variants:
-            raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step`")
-        if any(not o.startswith(STEP_SETTINGS) for o in overrides):  # the only settings the step takes from a config
-            raise LowbitError(f"bench: --recipes: {n!r}: a variant sets only optim.* keys, model.checkpointing and "
-                              "model.sdpa_backend")
+            raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step` "
+                              "and `bench optim`")
+        if any(not o.startswith(variants) for o in overrides):  # the only settings the bench takes from a config
+            keys = [k.strip("-=") + ("* keys" if k.endswith(".") else "") for k in variants]
+            keys = ", ".join(keys[:-1]) + " and " + keys[-1] if len(keys) > 1 else keys[0]
+            raise LowbitError(f"bench: --recipes: {n!r}: a variant sets only {keys}")
         load_config(None, ["--recipe", base, *overrides])  # a bad recipe or setting fails here, before anything runs
     return (["bf16"] if baseline else []) + [n for n in out if n != "bf16"]
 
