@@ -5,8 +5,8 @@
 # its JSON after every row, so a part cut short keeps what it measured. Output in $OUT (or ./out).
 #
 #   bash benchmarks/fp8lm_scale.sh check      # GPU tests of the optimizer, bench optim 1b + 7b, bench step 7b
-#   bash benchmarks/fp8lm_scale.sh capacity   # GPU tests of fp16 weights, 13b under fp8lm-o2 for 50 steps,
-#                                             # bench step --max-batch at 7b, the 7b step with fp16 weights
+#   bash benchmarks/fp8lm_scale.sh 13b        # GPU tests of fp16 weights, 13b under fp8lm-o2 for 50 steps
+#   bash benchmarks/fp8lm_scale.sh capacity   # bench step --max-batch at 7b: bf16, fp8lm-o2, torchao
 #
 # torchao comes from wheels in .whl/ when present; the 13b run reads a prepared dataset from $DATA (default
 # data/stdlib-4k: `lowbit prepare <python sources> --out data/stdlib-4k --vocab-size 4096`), else the built-in
@@ -32,20 +32,19 @@ case "${1:-check}" in
     part step_7b "${STEP_S:-280}" step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 \
       --recipes bf16,fp8-tensorwise,fp8lm-o2 --torchao tensorwise
     part optim_1b "${OPTIM1_S:-70}" optim --preset 1b --recipes fp8lm-o2,nanotron-r2 --steps 10 --warmup 3 ;;
-  capacity)
+  13b)
     timeout "${TESTS_S:-60}" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \
-      -k "fp16 or fp8lm_o2_trains" 2>&1 | tail -n 5 | tee "$OUT/pytest_gpu.txt"
+      -rf -k "fp16 or fp8lm_o2_trains" 2>&1 | tail -n 30 | tee "$OUT/pytest_gpu.txt"
     data=${DATA:-data/stdlib-4k}; [ -d "$data" ] || data=""
-    timeout "${TRAIN_S:-170}" python3 -m lowbit train --model.preset 13b --recipe fp8lm-o2 --data.path "$data" \
+    timeout "${TRAIN_S:-240}" python3 -m lowbit train --model.preset 13b --recipe fp8lm-o2 --data.path "$data" \
       --data.seq_len 2048 --train.batch_size 8 --train.micro_batch_size 4 --train.steps 50 --train.warmup_steps 10 \
       --train.lr 3e-4 --train.compile true --train.log_every 5 --train.eval_every 0 --train.eval_batches 1 \
       --numerics.telemetry_every 0 --checkpoint.save false --run.plot false --run.dir /tmp/run_13b 2>&1 \
       | grep --line-buffered -v -E "^[WIE][0-9]{4}" \
       | tee "$OUT/train_13b.txt" | tail -n 16
-    cp /tmp/run_13b/metrics.jsonl "$OUT/train_13b_metrics.jsonl" 2>/dev/null
-    part capacity_7b "${CAP_S:-230}" step --preset 7b --seq 2048 --max-batch 32 --steps 3 --warmup 1 \
-      --recipes bf16,fp8lm-o2 --torchao tensorwise
-    part step_7b_fp16w "${STEP_S:-80}" step --preset 7b --batch 4 --seq 2048 --steps 4 --warmup 1 \
-      --recipes fp8lm-o2+optim.weights=fp16 --no-bf16 --torchao none ;;
-  *) echo "unknown part $1 (check | capacity)"; exit 2 ;;
+    cp /tmp/run_13b/metrics.jsonl "$OUT/train_13b_metrics.jsonl" 2>/dev/null ;;
+  capacity)
+    part capacity_7b "${CAP_S:-540}" step --preset 7b --seq 2048 --max-batch 32 --steps 3 --warmup 1 \
+      --recipes bf16,fp8lm-o2 --torchao tensorwise ;;
+  *) echo "unknown part $1 (check | 13b | capacity)"; exit 2 ;;
 esac

@@ -68,10 +68,12 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
     Recipe("fp8lm-o3", "FP8-LM O3: O2 + an FP16 master with a per-tensor scale (8 bytes/param here: FP8 weight "
            "storage is not implemented, see docs/numerics.md)", _FP8LM_LINEAR,
            optim=StatePrecision(weights="bf16", master="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")),
+    # stochastic rounding: under round-to-nearest an E5M2 second moment never decays by beta2 (docs/convergence.md:
+    # +3.78% to bf16; rounded stochastically, +0.11%)
     Recipe("nanotron-r2", "nanotron FP8 recipe 2: FP8 forward and backward (interval-16 delayed scaling), both Adam "
-           "moments in FP8 (E4M3, E5M2), gradient clipping required",
+           "moments in FP8 (E4M3, E5M2, rounded stochastically), gradient clipping required",
            _fp8(Scaling("e4m3", **_NANOTRON), Scaling("e4m3"), Scaling("e5m2", **_NANOTRON)),
-           optim=StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2"), needs_grad_clip=True),
+           optim=StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2", rounding="stochastic"), needs_grad_clip=True),
     Recipe("fp4", "FP4 training (Wang et al. 2025): E2M1 weights (per channel, DGE k=5) and activations (per token, "
            "OCC alpha 0.99), E4M3 gradients, FP8 weight gradients and first moment, FP16 second moment",
            _FP4, optim=_FP4_OPTIM),

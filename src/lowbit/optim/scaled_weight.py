@@ -51,8 +51,8 @@ class ScaledFP16Weight(torch.Tensor):
         """Store `x` (in place), with the scale of its amax."""
         encode(x.float(), "fp16", self._scale, out=self._data)
 
-    def __repr__(self):
-        return f"ScaledFP16Weight(shape={tuple(self.shape)}, scale={self._scale.item():g})"
+    def __repr__(self):  # no .item(): torch.compile may print a fake one
+        return f"ScaledFP16Weight(shape={tuple(self.shape)}, scale={self._scale!r})"
 
     def _stable_hash_for_caching(self) -> str:  # AOTAutograd's cache key: no metadata beyond the class
         return type(self).__name__
