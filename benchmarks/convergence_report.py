@@ -1,7 +1,9 @@
-"""docs/convergence.md's tables and plot from the study's run dirs (benchmarks/convergence_study.sh), unpacked here.
-Uses `lowbit compare`'s own reading, table and plot; adds what compare cannot: runs cut short, and the validation
-loss of every run at common steps (so a run that stopped early is still compared at the steps it reached). A run
-of another seed (`ENTRY+train.seed=S`, as `lowbit compare --seeds` names them) is paired with bf16 of that seed.
+"""docs/convergence.md's tables and plot from the study's run dirs (benchmarks/convergence_study.sh's
+/tmp/study/runs, or its study.tar.gz unpacked). Uses `lowbit compare`'s own reading, table and plot; adds what compare
+cannot: runs cut short, the validation loss of every run at common steps (so a run that stopped early is still
+compared at the steps it reached), and the training loss over windows of --window steps. A run of another seed
+(`ENTRY+train.seed=S`, as `lowbit compare --seeds` names them) is paired with bf16 of that seed. Writes
+OUT/convergence.json and OUT/convergence.png and prints the tables.
 
   python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR] [--window STEPS]
       [--command CMD --torch VERSION --date DATE]   (when RUNS_DIR has no compare.json: compare was stopped)
@@ -17,12 +19,12 @@ from lowbit.tools.compare import LAST_N, _gap, plot, read_run, split_entry, tabl
 
 p = argparse.ArgumentParser()
 p.add_argument("runs", type=Path)
-p.add_argument("--eager", type=Path, help="run dirs of the eager call (shown as '<recipe> (eager)')")
+p.add_argument("--eager", type=Path, help="run dirs of eager runs (shown as '<recipe> (eager)')")
 p.add_argument("--out", type=Path, default=Path("."))
 p.add_argument("--device", default="NVIDIA H200")
-p.add_argument("--command", help="the call's compare command (its COMMAND line), when compare.json is missing")
-p.add_argument("--torch", help="torch version of the call, when compare.json is missing")
-p.add_argument("--date", help="date of the call, when compare.json is missing")
+p.add_argument("--command", help="the study script's printed COMMAND line, when compare.json is missing")
+p.add_argument("--torch", help="torch version of the runs, when compare.json is missing")
+p.add_argument("--date", help="date of the runs, when compare.json is missing")
 p.add_argument("--window", type=int, default=64, help="steps in each training-loss window of the last table")
 a = p.parse_args()
 if a.window < 1:
@@ -33,12 +35,12 @@ def low_precision(name: str) -> bool:  # a run dir is named by its --recipes ent
     return RECIPES[split_entry(name)[0]].linear is not None
 
 
-if (a.runs / "compare.json").is_file():  # the compiled call's report: torch, command
-    compiled = json.loads((a.runs / "compare.json").read_text())
-else:  # a compare stopped by its deadline writes none: the call's printed COMMAND line and torch stand in
+if (a.runs / "compare.json").is_file():  # compare's own report: torch, date, command
+    facts = json.loads((a.runs / "compare.json").read_text())
+else:  # a compare stopped by the wall-clock limit writes none: the printed COMMAND line and torch stand in
     if not (a.command and a.torch and a.date):
         p.error(f"{a.runs / 'compare.json'} is missing: give --command, --torch and --date")
-    compiled = {"command": a.command, "torch": a.torch, "date": a.date, "last_n": LAST_N}
+    facts = {"command": a.command, "torch": a.torch, "date": a.date, "last_n": LAST_N}
 runs = {}
 for d in sorted(x for x in a.runs.iterdir() if (x / "metrics.jsonl").is_file()):
     runs[d.name] = read_run(d, low_precision(d.name))
@@ -62,13 +64,13 @@ def base_of(name: str) -> dict:
 
 
 # the entries as given to compare: a seed's run named ENTRY+train.seed=S comes from ENTRY under --seeds
-entries = list(dict.fromkeys(re.sub(r"\+train\.seed=\d+$", "", r) if " --seeds " in compiled["command"] else r
+entries = list(dict.fromkeys(re.sub(r"\+train\.seed=\d+$", "", r) if " --seeds " in facts["command"] else r
                              for r in order if "eager" not in r))
-head, _, tail = compiled["command"].partition(" --recipes ")  # the call's command, with every run's recipes
+head, _, tail = facts["command"].partition(" --recipes ")  # compare's command, with every run's recipes
 tail = re.sub(r" --(devices|out) \S+", "", re.sub(r"^\S+", "", tail))  # and without its devices and out dir
-report = {"device": a.device, "torch": compiled["torch"], "date": compiled["date"],
+report = {"device": a.device, "torch": facts["torch"], "date": facts["date"],
           "command": f"{head} --recipes {','.join(entries)} --devices ...{tail}",
-          "baseline": "bf16", "last_n": compiled["last_n"], "runs": []}
+          "baseline": "bf16", "last_n": facts["last_n"], "runs": []}
 for r in order:
     run = runs[r]
     b = base_of(r)

@@ -1,16 +1,19 @@
 #!/usr/bin/env bash
-# Issue 9's study: a ~97M-parameter LLaMA (the 125m preset's 12 x 768 with an 8192-token BPE) trained on >= 50M
-# tokens of Python sources (the GPU machine's site-packages) under six recipes, several runs per GPU at once
-# through `lowbit compare --devices`. COMPILE=true: torch.compile every run (default eager); COMPILE_SCOPE: its
-# train.compile_scope (default model, as series 1-3 ran; blocks compiles one block for all, in a fraction of the time).
+# The convergence study of docs/convergence.md: a ~97M-parameter LLaMA (the 125m preset's 12 x 768 with an
+# 8192-token BPE) trained on 50.3M tokens of Python sources (this machine's site-packages) under each recipe, several
+# runs per GPU at once through `lowbit compare --devices`.
 #   SRC=src RECIPES=a,b,c DEVICES=cuda:0,cuda:0,cuda:0 [PRIOR=dir] bash benchmarks/convergence_study.sh
-# RECIPES: those to compare (default all six); SEEDS: compare's --seeds (optional); DEVICES: --devices; PRIOR: run dirs of an earlier call (metrics,
-# config, summary) copied in first, so that compare skips them and reports all. TOKENIZER: a tokenizer.json. CACHE:
-# see below. Without TOKENIZER (or when its file is missing) an 8192-token BPE is trained on the next 45 MB of the
-# same walk (disjoint from the corpus) and returned as $OUT/tokenizer.json: commit it, so a later series can match.
-# Runs still going at DEADLINE seconds get SIGTERM (each checkpoints and stops); what came out is packed into
-# $OUT/study.tar.gz (metrics, telemetry, logs, report; no checkpoints). MICRO: micro-batch size (default 32; 64 =
-# one micro-batch per step, half the per-step overhead).
+# RECIPES: compare's --recipes entries, RECIPE or RECIPE+section.key=value (default: the six below). DEVICES: compare's
+# --devices, one slot per concurrent run. SEEDS: compare's --seeds (optional). COMPILE=true: torch.compile every run
+# (default eager); COMPILE_SCOPE: train.compile_scope (default model, as the first two series ran; blocks compiles
+# one block for all, in a fraction of the time). MICRO: micro-batch size (default 32; 64 = one micro-batch per step).
+# STEPS: training steps (default 768). PRIOR: a folder of finished run dirs (metrics, config, summary) copied in
+# first, so that compare skips them and reports them beside the new ones. TOKENIZER: a tokenizer.json; without it (or
+# when its file is missing) an 8192-token BPE is trained on the next 45 MB of the same walk (disjoint from the corpus)
+# and written to $OUT/tokenizer.json: keep it, so that later runs can join the same series. CACHE: see below.
+# DEADLINE: a wall-clock limit in seconds from the script's start (default 555); runs still going then get SIGTERM
+# (each checkpoints and stops; run the same command again on the same machine to resume them). What came out is packed
+# into $OUT/study.tar.gz (metrics, telemetry, logs, report; no checkpoints); the run dirs stay in /tmp/study/runs.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH=${SRC:-src}
@@ -20,9 +23,9 @@ OUT=${OUT:-/tmp/study-out}
 W=/tmp/study
 T0=$(date +%s)
 mkdir -p "$W" "$OUT"
-# Compiling an FP8 run took ~3 min with 3 at once. CACHE (a tar.gz from an earlier call's $OUT/inductor.tar.gz,
-# carried) restores inductor's and Triton's caches, so only tracing is paid again; the caches go back in $OUT when
-# they fit the 16 MiB a returned file may have.
+# Compiling an FP8 run took ~3 min with 3 at once. CACHE (a tar.gz from an earlier run's $OUT/inductor.tar.gz)
+# restores inductor's and Triton's caches, so only tracing is paid again; the caches are written to $OUT when the
+# archive is under 16 MB.
 export TORCHINDUCTOR_CACHE_DIR=$W/inductor TRITON_CACHE_DIR=$W/inductor/triton
 if [ -n "${CACHE:-}" ] && [ -f "$CACHE" ] && [ ! -d "$W/inductor" ]; then tar -xzf "$CACHE" -C "$W"; fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
@@ -61,7 +64,7 @@ train_tokenizer(read_documents([sys.argv[1]]), 8192).save(sys.argv[2])
 PY
     cp "$TOKENIZER" "$OUT/tokenizer.json"
 fi
-# data prepared by an earlier call on a warm machine must come from this tokenizer
+# data left in /tmp/study by an earlier run of the script must come from this tokenizer
 python3 -c "import json, os, sys; from lowbit.data.tokenizer import load_tokenizer, tokenizer_hash as h
 t = h(load_tokenizer(sys.argv[1])); print('tokenizer', sys.argv[1], t)
 m = os.path.join(sys.argv[2], 'meta.json')

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10: lowbit's distributed training on 2 GPUs with NCCL (one device call per part).
+# Issue 10: lowbit's distributed training on 2 GPUs with NCCL, in parts of up to about 10 minutes each.
 #   bash benchmarks/multi_gpu.sh a   1b: one-GPU reference, dp2 gradient exchange bf16/fp8/fp32, dp2 vs tp2 vs
 #                                    tp2+sp under fp8-tensorwise, pp2 1F1B with per-stage compute timed alone
 #   bash benchmarks/multi_gpu.sh b   125m: context parallel ring vs rsa (32k, longer while it fits), a 300-step
@@ -10,8 +10,8 @@
 #                                    bf16 and fp8-tensorwise (one writes its DCP checkpoint)
 #   bash benchmarks/multi_gpu.sh e   FSDP2 fp8-tensorwise: weights all-gathered as FP8 vs fp32; a 125m run with its checkpoint
 #   bash benchmarks/multi_gpu.sh f   125m context parallel: zigzag vs plain split at 32k (ring, rsa), then the longest
-#                                    trainable sequence (64k, 128k) of each; ~235 s (BUDGET_S 225 by default)
-# Env: SRC (lowbit sources, default .gpu10/src), DATA (a prepared dataset dir), OUT (results), BUDGET_S (seconds
+#                                    trainable sequence (64k, 128k) of each; ~235 s (TIME_S 225 by default)
+# Env: SRC (lowbit sources, default .gpu10/src), DATA (a prepared dataset dir), OUT (results), TIME_S (seconds
 # this part may take), SMOKE=1 (CPU, gloo, tiny shapes: checks the script itself).
 # Each sub-run's summary is appended to $OUT/results.jsonl as soon as it ends (multi_gpu_report.py collect).
 set -u
@@ -23,8 +23,8 @@ export PYTHONPATH=$SRC
 DATA=${DATA:-$(ls -d $PWD/.gpu10/data/* | head -1)}
 OUT=${OUT:-out}; mkdir -p "$OUT"
 WORK=${WORK:-/tmp/mg10}; rm -rf "$WORK"; mkdir -p "$WORK"
-DEFAULT_BUDGET_S=560; [ "${1:-a}" = f ] && DEFAULT_BUDGET_S=225
-BUDGET_S=${BUDGET_S:-$DEFAULT_BUDGET_S}
+DEFAULT_TIME_S=560; [ "${1:-a}" = f ] && DEFAULT_TIME_S=225
+TIME_S=${TIME_S:-$DEFAULT_TIME_S}
 PY=${PY:-python3}
 T0=$(date +%s)
 PORT=29511
@@ -35,15 +35,15 @@ if [ "${SMOKE:-0}" = 1 ]; then
   SMOKE_ARGS=(--model.preset=tiny --model.tie_embeddings=false --run.device=cpu --train.batch_size=8 --train.steps=4 --data.seq_len=64)
 fi
 
-left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
+left() { echo $(( TIME_S - ($(date +%s) - T0) )); }
 
-# sub NAME TIMEOUT NPROC [ENV=VALUE ...] -- ARGS...   (skipped when the part's budget is short of TIMEOUT/2)
+# sub NAME TIMEOUT NPROC [ENV=VALUE ...] -- ARGS...   (skipped when the part's time left is short of TIMEOUT/2)
 sub() {
   local name=$1 t=$2 np=$3; shift 3
   local envs=()
   while [ "$1" != "--" ]; do envs+=("$1"); shift; done; shift
   local l; l=$(left)
-  if [ "$l" -lt $(( t / 2 )) ]; then echo "== $name: skipped ($l s left)"; echo "{\"name\": \"$name\", \"rc\": -1, \"skipped\": \"budget\", \"steps_done\": 0, \"loss\": [], \"ranks\": []}" >> "$OUT/results.jsonl"; return; fi
+  if [ "$l" -lt $(( t / 2 )) ]; then echo "== $name: skipped ($l s left)"; echo "{\"name\": \"$name\", \"rc\": -1, \"skipped\": \"time\", \"steps_done\": 0, \"loss\": [], \"ranks\": []}" >> "$OUT/results.jsonl"; return; fi
   [ "$t" -gt "$l" ] && t=$l
   local dir=$WORK/$name launch
   PORT=$((PORT + 1))
@@ -138,7 +138,7 @@ case "${1:-a}" in
     sub pp2_1b_gpipe_m8 50 2 BENCH_BUBBLE=1 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=10 --parallel.pp=2 --parallel.pp_schedule=gpipe --train.micro_batch_size=2
     ;;
   d)
-    # session 5: the rewritten gradient exchange inside training (against part a's dp2 runs), and FSDP2
+    # the rewritten gradient exchange inside training (against part a's dp2 runs), and FSDP2
     # (parallel.dp_shard) against the one-GPU and dp2 runs of part a; one FSDP run writes its DCP checkpoint
     sub dp2_1b_bf16sync_v2 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=20 --parallel.dp=2 --parallel.grad_sync=bf16
     sub dp2_1b_fp8sync_v2 90 2 BENCH_NO_CKPT=1 -- "${B1[@]}" --train.steps=20 --parallel.dp=2 --parallel.grad_sync=fp8
@@ -156,7 +156,7 @@ case "${1:-a}" in
     # other block is fully masked and skipped); 4 steps, steps 3-4 timed. rsa needs full checkpointing at 32k
     # (part b: it keeps its Lq x L probabilities per layer). Then the longest trainable sequence, full
     # checkpointing, 3 steps: 64k, and 128k only if 64k trained a step; an OOM is recorded and ends that search.
-    # Sub-runs that no longer fit in BUDGET_S are skipped (recorded), so the part ends in time.
+    # Sub-runs that no longer fit in TIME_S are skipped (recorded), so the part ends in time.
     C=(--model.preset=125m --train.batch_size=1 --parallel.cp=2)
     for layout in zigzag plain; do
       sub cp2f_ring_32k_$layout 75 2 BENCH_NO_CKPT=1 -- "${C[@]}" --train.steps=4 --data.seq_len=32768 --parallel.cp_impl=ring --parallel.cp_layout=$layout

@@ -277,7 +277,7 @@ def outcome(r: dict) -> str:
     if r["rc"] == 0:
         return "ok"
     if r.get("skipped"):
-        return "skipped (budget)"
+        return "skipped (time left)"
     text = " ".join([x.get("error") or "" for x in r["ranks"]] + r.get("errors", []))
     if "OOM" in text or "OutOfMemory" in text or "out of memory" in text:
         return "OOM"
