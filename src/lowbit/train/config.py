@@ -389,7 +389,7 @@ def validate(cfg: Config) -> None:
     from lowbit.models.llama import resolve_model_args
     args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
     from lowbit.distributed.mesh import check_layout
-    check_layout(cfg, args)
+    check_layout(cfg, args, recipe.optim)
 
 
 def resolve_recipe(cfg: Config):
