@@ -230,6 +230,25 @@ def test_bench_step_variant_trains_with_its_setting(tmp_path, capsys, monkeypatc
     assert built == ["nearest", "stochastic"]
 
 
+def test_bench_step_variant_takes_numerics_settings(tmp_path, capsys, monkeypatch):
+    """The recipe is resolved as the trainer resolves it: a [numerics] filter in a variant changes what is covered."""
+    import lowbit.recipes as recipes
+
+    covered = []
+    real = recipes.convert
+    def counting(model, recipe):
+        out = real(model, recipe)
+        covered.append(sum(hasattr(m, "recipe") for m in model.modules()))
+        return out
+
+    monkeypatch.setattr(recipes, "convert", counting)
+    out = tmp_path / "step.json"
+    code, _, _ = cli(capsys, "bench", "step", *FAST, *SHAPES["step"], "--torchao", "none", "--no-bf16",
+                     "--recipes", "fp8-tensorwise,fp8-tensorwise+numerics.keep_first_last=true", "--out", out)
+    assert code == 0
+    assert len(covered) == 2 and covered[1] < covered[0]
+
+
 def test_bench_step_variant_computes_attention_with_its_kernel(tmp_path, capsys, monkeypatch):
     import lowbit.models.llama as llama
 

@@ -42,7 +42,7 @@ def test_compare_rerun_skips_finished_runs(compared, capsys):
     code, out, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", compared, *ARGS)
     assert code == 0 and out.count("skipped, finished run") == 2 and "step " not in out
     assert mtimes == {r: (compared / r / "metrics.jsonl").stat().st_mtime_ns for r in RECIPES.split(",")}
-    assert "Trained in an earlier session" in out
+    assert "Trained by an earlier command" in out
     # another config over the same runs is refused, not mixed in
     code, _, err = cli(capsys, "compare", "--recipes", RECIPES, "--out", compared, *ARGS, "--train.lr", "2e-3")
     assert code == 2 and "another config" in err and len(err.strip().splitlines()) == 1
@@ -193,7 +193,7 @@ def test_compare_reports_the_stuck_optimizer_moments(tmp_path):
     for name, lines in (("with", records), ("without", records[:1])):
         (tmp_path / name).mkdir()
         (tmp_path / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-        runs.append({"recipe": name, "this_session": "train", **read_run(tmp_path / name, False),
+        runs.append({"recipe": name, "action": "train", **read_run(tmp_path / name, False),
                      "train_gap_pct": None, "val_gap_pct": None})
     assert runs[0]["moments"] == states and runs[0]["moments_step"] == 6 and runs[0]["steps"] == 6  # the last
     assert runs[1]["moments"] is None and runs[1]["moments_step"] is None

@@ -32,8 +32,7 @@ from lowbit.data import (
 )
 from lowbit.errors import LowbitError
 
-# `lowbit.data.prepare` the attribute is the re-exported function; these are the modules.
-prepare_mod = sys.modules["lowbit.data.prepare"]
+# the module whose names the tests swap
 cache_mod = sys.modules["lowbit.data.cache"]
 
 DOCS = [
@@ -486,7 +485,7 @@ def test_default_dataset_cached(small_builtin, tmp_path, monkeypatch):
     def no_work(*a, **k):
         raise AssertionError("prepared twice")
 
-    monkeypatch.setattr(prepare_mod, "prepare", no_work)
+    monkeypatch.setattr(cache_mod, "prepare", no_work)  # where the cache calls it
     assert default_dataset(cache_dir=tmp_path / "cache", vocab_size=300) == out
     assert (out / "meta.json").stat().st_mtime_ns == mtime
     assert resolve_dataset("", vocab_size=300, cache_dir=tmp_path / "cache") == out

@@ -44,7 +44,7 @@ def test_dge_k_of_1_trains_as_straight_through():
 
     from lowbit.recipes import convert, get_recipe, with_dge
     from lowbit.train.config import load_config
-    from lowbit.train.trainer import recipe_of
+    from lowbit.train.config import resolve_recipe as recipe_of
 
     got = recipe_of(load_config(None, ["--recipe", "fp4", "--numerics.dge_k", "2", "--numerics.dge_clamp", "1.5"]))
     assert got.linear.dge == DGE(k=2.0, clamp=1.5)

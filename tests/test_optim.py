@@ -265,7 +265,8 @@ def _model_report(recipe_name, **optim):
     from lowbit.models.llama import Llama, resolve_model_args
     from lowbit.recipes import convert, get_recipe
     from lowbit.train.config import load_config
-    from lowbit.train.trainer import build_optimizer, optim_precision
+    from lowbit.train.config import optim_precision
+    from lowbit.train.trainer import build_optimizer
 
     cfg = load_config(None, ["--recipe", recipe_name, *[f"--optim.{k}={v}" for k, v in optim.items()]])
     cfg.model.dim, cfg.model.n_layers, cfg.model.n_heads, cfg.model.n_kv_heads = 128, 2, 4, 2

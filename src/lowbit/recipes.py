@@ -69,7 +69,7 @@ RECIPES: dict[str, Recipe] = {r.name: r for r in [
            "storage is not implemented, see docs/numerics.md)", _FP8LM_LINEAR,
            optim=StatePrecision(weights="bf16", master="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")),
     # stochastic rounding: under round-to-nearest an E5M2 second moment never decays by beta2 (docs/convergence.md:
-    # +3.78% to bf16; rounded stochastically, +0.11%)
+    # +3.78% to bf16; rounded stochastically, +0.11% and +1.36% in two runs)
     Recipe("nanotron-r2", "nanotron FP8 recipe 2: FP8 forward and backward (interval-16 delayed scaling), both Adam "
            "moments in FP8 (E4M3, E5M2, rounded stochastically), gradient clipping required",
            _fp8(Scaling("e4m3", **_NANOTRON), Scaling("e4m3"), Scaling("e5m2", **_NANOTRON)),

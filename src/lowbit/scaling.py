@@ -251,7 +251,7 @@ class OperandStates(nn.ModuleDict):
     torch.compile keeps each in one graph, with no state of a current cast among its inputs or outputs. (One
     sink per layer, not per operand: each sink is a gradient the compiled backward returns and a hook the engine
     calls; with two more per layer, fp8-delayed's backward took the H200's host 26 ms more than fp8-tensorwise's
-    at `1b`, session 16.)"""
+    at `1b`.)"""
 
     def __init__(self, states: dict[str, ScalingState]):
         super().__init__(states)

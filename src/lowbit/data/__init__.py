@@ -2,15 +2,10 @@
 
 from lowbit.data.dataset import TokenDataset, TokenSplit
 from lowbit.data.loader import Loader, val_batches
-from lowbit.data.prepare import (
-    add_prepare_args,
-    builtin_corpus_files,
-    default_dataset,
-    prepare,
-    read_documents,
-    resolve_dataset,
-    run_prepare,
-)
+from lowbit.data.cache import builtin_corpus_files, default_dataset, resolve_dataset
+from lowbit.data.cli import add_prepare_args, run_prepare
+from lowbit.data.documents import read_documents
+from lowbit.data.prepare import prepare
 from lowbit.data.shards import token_dtype
 from lowbit.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer, tokenizer_hash, train_tokenizer
 

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Iterable
 
 from lowbit.data.documents import list_files
+from lowbit.data.prepare import prepare
 from lowbit.data.shards import FORMAT
 from lowbit.data.tokenizer import load_tokenizer, tokenizer_hash
 from lowbit.errors import LowbitError
@@ -122,7 +123,6 @@ def _key(**parts) -> str:
 def _prepare_once(out: Path, files: list[Path], **kwargs) -> Path:
     if (out / "meta.json").is_file():
         return out
-    from lowbit.data.prepare import prepare  # lazy: prepare.py re-exports this module
 
     try:
         prepare(files, out, **kwargs)

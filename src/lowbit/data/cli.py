@@ -6,6 +6,7 @@ import argparse
 import sysconfig
 
 from lowbit.data import cache  # module, not names: tests swap cache.builtin_corpus_files
+from lowbit.data.prepare import prepare
 from lowbit.errors import LowbitError
 
 _DEFAULT_VOCAB = 8192  # for user corpora, as prepare(); the builtin corpus defaults to 4096, as the trainer
@@ -34,7 +35,6 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Prepare, then print the dataset directory as the last line on stdout."""
-    from lowbit.data.prepare import prepare  # lazy: prepare.py re-exports this module
 
     if args.vocab_size is not None and args.vocab_size <= 257:
         raise LowbitError(f"--vocab-size {args.vocab_size} is too small: it must be > 257 (256 bytes + EOS)")

@@ -15,9 +15,7 @@ from tokenizers import Tokenizer
 
 # cache.py and cli.py import prepare() lazily, so these re-exports (the names the trainer and CLI
 # expect here) create no import cycle.
-from lowbit.data.cache import builtin_corpus_files, default_dataset, resolve_dataset  # noqa: F401
-from lowbit.data.cli import add_prepare_args, run_prepare  # noqa: F401
-from lowbit.data.documents import list_files, read_documents  # noqa: F401
+from lowbit.data.documents import list_files, read_documents
 from lowbit.data.shards import FORMAT, ShardWriter, token_dtype
 from lowbit.data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_tokenizer
 from lowbit.errors import LowbitError

@@ -24,15 +24,16 @@ def world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def check_layout(cfg, args) -> None:
-    """Layout errors, on every rank alike (pure arithmetic on the config and the environment)."""
+def check_layout(cfg, args, precision) -> None:
+    """Layout errors, on every rank alike (pure arithmetic on the config and the environment). `precision`: the
+    covered weights' StatePrecision (the resolved recipe's)."""
     p, t = cfg.parallel, cfg.train
     product = p.pp * p.dp * p.dp_shard * p.cp * p.tp
     if product != world_size():
         raise LowbitError(f"parallel: dp*dp_shard*tp*pp*cp = {p.dp}*{p.dp_shard}*{p.tp}*{p.pp}*{p.cp} = {product}, "
                           f"but {world_size()} process(es) run (torchrun --nproc-per-node sets it)")
     if p.dp_shard > 1:
-        _check_fsdp(cfg)
+        _check_fsdp(cfg, precision)
     if p.pp > 1 and p.cp > 1:
         raise LowbitError("parallel.pp: pipeline and context parallelism together are not implemented yet")
     if p.pp > 1 and args.tie_embeddings:
@@ -43,7 +44,7 @@ def check_layout(cfg, args) -> None:
                         ("model.ffn_dim", args.ffn_dim)):
             if n % p.tp:
                 raise LowbitError(f"parallel.tp ({p.tp}) must divide {what} ({n})")
-        if _low_precision_states(cfg):
+        if _low_precision_states(precision):
             raise LowbitError(f"parallel.tp: recipe {cfg.recipe} keeps optimizer states in low precision, which "
                               f"tensor parallelism does not shard yet (fp32 states only)")
     if p.sequence_parallel and (p.tp == 1 or cfg.data.seq_len % p.tp or p.cp > 1):
@@ -71,15 +72,13 @@ def check_layout(cfg, args) -> None:
                           f"(train.batch_size / (parallel.dp * parallel.dp_shard) = {t.batch_size // replicas})")
 
 
-def _low_precision_states(cfg) -> bool:
-    from lowbit.train.config import optim_precision
-
-    prec = optim_precision(cfg)
+def _low_precision_states(prec) -> bool:
+    """Whether a StatePrecision keeps anything below fp32."""
     return (prec.weights, prec.master, prec.grads, prec.exp_avg, prec.exp_avg_sq) != ("fp32", "none", "fp32",
                                                                                       "fp32", "fp32")
 
 
-def _check_fsdp(cfg) -> None:
+def _check_fsdp(cfg, precision) -> None:
     """What FSDP2 (parallel.dp_shard) does not combine with yet: one line naming the first conflict."""
     p = cfg.parallel
     others = [f"parallel.{d} {getattr(p, d)}" for d in ("tp", "pp", "cp") if getattr(p, d) > 1]
@@ -90,7 +89,7 @@ def _check_fsdp(cfg) -> None:
     if p.grad_sync == "fp8":
         raise LowbitError("parallel.dp_shard: FSDP2 reduce-scatters gradients in fp32 or bf16 "
                           "(parallel.grad_sync fp32 | bf16), not fp8")
-    if _low_precision_states(cfg):
+    if _low_precision_states(precision):
         raise LowbitError(f"parallel.dp_shard: recipe {cfg.recipe} keeps weights or optimizer states in low "
                           f"precision, which FSDP2 does not shard yet (fp32 states only)")
 

@@ -398,9 +398,9 @@ def table(report: dict) -> str:
         lines.append(f"| {r['recipe']} | {r['steps']} | {_fmt(r['train_loss'], '.4f')} | {_fmt(r['val_loss'], '.4f')} "
                      f"| {_fmt(r['train_gap_pct'], '+.2f', '%')} | {_fmt(r['val_gap_pct'], '+.2f', '%')} "
                      f"| {_fmt(r['tokens_per_s'], '.0f')} | {worst[0]} | {worst[1]} | {_moments(r['moments'])} |")
-    earlier = [r["recipe"] for r in report["runs"] if r["this_session"] == "skip"]
+    earlier = [r["recipe"] for r in report["runs"] if r["action"] == "skip"]
     if earlier:
-        lines += ["", f"Trained in an earlier session (skipped now; their tokens/s are from then): "
+        lines += ["", f"Trained by an earlier command (skipped now; their tokens/s are from then): "
                       f"{', '.join(earlier)}."]
     return "\n".join(lines)
 
@@ -482,7 +482,7 @@ def run(a: argparse.Namespace) -> int:
         report["runs"].append({"recipe": r, "entry": runs_of[r][2], "seed": runs_of[r][3],
                                "finished": run_["steps"] >= target(cfgs[r]),
                                "base_finished": ref["steps"] >= target(cfgs[base_of[r]]),
-                               "this_session": actions[r], **run_,
+                               "action": actions[r], **run_,
                                "train_gap_pct": _gap(run_["train_loss"], ref["train_loss"]),
                                "val_gap_pct": _gap(run_["val_loss"], ref["val_loss"])})
     if runs_of[recipes[0]][3] is not None:

@@ -351,7 +351,7 @@ def _check_keep(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     from lowbit.models.llama import PRESETS
-    from lowbit.recipes import RECIPES, with_dge, with_scaling
+    from lowbit.recipes import RECIPES
 
     choices = dict(CHOICES, **{"model.preset": tuple(PRESETS)})
     for key, allowed in choices.items():
@@ -378,12 +378,8 @@ def validate(cfg: Config) -> None:
         raise LowbitError(f"train.stop_at ({t.stop_at}) is beyond train.steps ({t.steps})")
     if not cfg.run.dir:
         raise LowbitError("run.dir: must not be empty")
-    recipe = RECIPES[cfg.recipe]
-    optim_precision(cfg)  # raises naming the optim key
     _check_keep(cfg)
-    with_dge(recipe, cfg.numerics.dge_k, cfg.numerics.dge_clamp)  # raises naming the key if the recipe has no DGE
-    n = cfg.numerics
-    with_scaling(recipe, n.scaling, n.history, n.interval, n.margin)  # raises naming the key it cannot apply
+    recipe = resolve_recipe(cfg)  # raises naming the [numerics] or [optim] key it cannot apply
     if recipe.needs_grad_clip and not t.grad_clip:
         raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
     if cfg.model.attention != "sdpa" and cfg.model.sdpa_backend != "auto":
@@ -393,18 +389,28 @@ def validate(cfg: Config) -> None:
     from lowbit.models.llama import resolve_model_args
     args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
     from lowbit.distributed.mesh import check_layout
-    check_layout(cfg, args)
+    check_layout(cfg, args, recipe.optim)
+
+
+def resolve_recipe(cfg: Config):
+    """The run's Recipe, resolved once for the trainer, bench and compare alike: the named one with the
+    [numerics] module filters, DGE and scaling settings applied, and its optimizer storage with the [optim] fields
+    that are set."""
+    from lowbit.optim.precision import StatePrecision
+    from lowbit.recipes import get_recipe, with_dge, with_filters, with_scaling
+
+    n = cfg.numerics
+    recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
+                          min_dim=n.min_dim, keep=n.keep)
+    recipe = with_scaling(with_dge(recipe, n.dge_k, n.dge_clamp), n.scaling, n.history, n.interval, n.margin)
+    fields = {f.name for f in dataclasses.fields(StatePrecision)}
+    over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v and k in fields}
+    return dataclasses.replace(recipe, optim=StatePrecision(**{**dataclasses.asdict(recipe.optim), **over}))
 
 
 def optim_precision(cfg: Config):
-    """The covered weights' StatePrecision: the recipe's, with the [optim] fields that are set."""
-    from lowbit.optim.precision import StatePrecision
-    from lowbit.recipes import RECIPES
-
-    base = RECIPES[cfg.recipe].optim
-    fields = {f.name for f in dataclasses.fields(StatePrecision)}
-    over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v and k in fields}
-    return StatePrecision(**{**dataclasses.asdict(base), **over})
+    """The covered weights' StatePrecision (resolve_recipe's)."""
+    return resolve_recipe(cfg).optim
 
 
 def to_dict(cfg: Config) -> dict:

@@ -36,12 +36,12 @@ from lowbit.models.performer import redraw_features
 from lowbit.linear import LowPrecisionLinear
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
-from lowbit.recipes import convert, covered_linears, get_recipe, with_dge, with_filters, with_scaling
+from lowbit.recipes import convert, covered_linears
 from lowbit.scaling import reports_held
 from lowbit.train import checkpoint as ckpt
 from lowbit.models.init import materialize
 from lowbit.train.compile import compile_model, eager
-from lowbit.train.config import Config, optim_precision, to_dict, to_toml
+from lowbit.train.config import Config, resolve_recipe, to_dict, to_toml
 from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, plot_losses, progress_line,
                                   truncate_after, warn)
 
@@ -181,21 +181,13 @@ def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=
     return mean_over(total, group).item() / max(1, count)
 
 
-def recipe_of(cfg: Config):
-    """The run's Recipe: the named one with the [numerics] module filters, DGE and scaling settings applied."""
-    n = cfg.numerics
-    recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
-                          min_dim=n.min_dim, keep=n.keep)
-    return with_scaling(with_dge(recipe, n.dge_k, n.dge_clamp), n.scaling, n.history, n.interval, n.margin)
-
-
 def train(cfg: Config) -> dict:
     """Train according to `cfg`; returns a summary (final step, losses, run dir)."""
     t = cfg.train
     run_dir = Path(cfg.run.dir)
     n = cfg.numerics
-    recipe = recipe_of(cfg)
-    precision = optim_precision(cfg)
+    recipe = resolve_recipe(cfg)
+    precision = recipe.optim
     device = local_device(resolve_device(cfg.run.device))
     dtype = compute_dtype(t.dtype, device)
     if device.type != "cuda" and cfg.model.sdpa_backend in ("cudnn", "efficient"):

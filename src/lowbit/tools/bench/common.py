@@ -163,7 +163,8 @@ def maybe_compile(module, compiled: bool):
 
 # ---- variants of a module: bf16 (as built), each lowbit recipe, each torchao float8 recipe --------------------------
 
-STEP_SETTINGS = ("--optim.", "--model.checkpointing=", "--model.sdpa_backend=")  # how the step computes, not what
+# what a `bench step` variant may set: how the step computes, not what (the preset's shape stays)
+STEP_SETTINGS = ("--optim.", "--numerics.", "--model.checkpointing=", "--model.sdpa_backend=")
 
 
 def lowbit_recipes(names: str, baseline: bool = True, variants: tuple[str, ...] = ()) -> list[str]:

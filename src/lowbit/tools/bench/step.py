@@ -22,9 +22,9 @@ def build(args, v, device: torch.device, model: torch.nn.Module | None = None):
     the trainer's optimizer for it."""
     from lowbit.models.init import materialize
     from lowbit.models.llama import Llama
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.recipes import convert
     from lowbit.tools.compare import split_entry
-    from lowbit.train.config import load_config, optim_precision
+    from lowbit.train.config import load_config, resolve_recipe
     from lowbit.train.trainer import build_optimizer
 
     recipe_name, overrides = split_entry(v.recipe) if v.impl == "lowbit" else ("bf16", [])
@@ -35,11 +35,11 @@ def build(args, v, device: torch.device, model: torch.nn.Module | None = None):
         with torch.device("meta"):  # built without memory, initialized where it trains (seconds at 7b)
             model = Llama(args)
         materialize(model, device)
-    recipe = get_recipe(recipe_name)
+    recipe = resolve_recipe(cfg)  # the [numerics] and [optim] settings of a variant, as the trainer takes them
     convert(model, recipe)
     if v.impl == "torchao":
         model = torchao_convert(model, v.recipe)
-    return model, build_optimizer(model, recipe, optim_precision(cfg), cfg)
+    return model, build_optimizer(model, recipe, recipe.optim, cfg)
 
 
 def batch(b: int, seq: int, vocab: int, device: torch.device):
