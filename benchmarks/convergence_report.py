@@ -74,7 +74,7 @@ report = {"device": a.device, "torch": facts["torch"], "date": facts["date"],
 for r in order:
     run = runs[r]
     b = base_of(r)
-    report["runs"].append({"recipe": r, "this_session": "train", **run,
+    report["runs"].append({"recipe": r, "action": "train", **run,
                            "train_gap_pct": _gap(run["train_loss"], b["train_loss"]),
                            "val_gap_pct": _gap(run["val_loss"], b["val_loss"])})
 a.out.mkdir(parents=True, exist_ok=True)

@@ -175,6 +175,7 @@ def test_plot_draws_every_table_with_rows_and_skips_errors(tmp_path, monkeypatch
                      tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
 
+@pytest.mark.slow
 def test_lowbit_triton_0_turns_the_kernels_off():
     import subprocess
     import sys
@@ -271,6 +272,7 @@ def test_bench_optim_one_weight(tmp_path, capsys):
     assert o3["bytes_per_param"] == 2 + 1 + 1 + 2 + 1 + 2 + 2 + 2  # read master, grad, m, v; write m, v, w, master
 
 
+@pytest.mark.slow
 def test_bench_step_max_batch_finds_the_largest_batch_that_fits(tmp_path, capsys, monkeypatch):
     """Out of memory above 5 sequences (a stand-in for the GPU's limit): the search tries 1, 2, 4, 8, 6, 5 and
     times the step at 5."""

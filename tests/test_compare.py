@@ -19,6 +19,7 @@ def compared(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_compare_writes_the_report(compared):
     for name in ("compare.png", "compare.md", "compare.json"):
         assert (compared / name).stat().st_size > 100
@@ -89,6 +90,7 @@ def test_compare_bad_arguments_train_nothing(tmp_path, capsys):
         assert not (tmp_path / "out").exists() and "step" not in out
 
 
+@pytest.mark.slow
 def test_compare_on_devices_runs_each_recipe_in_its_own_process(compared, tmp_path, capsys):
     out = tmp_path / "out"
     code, text, _ = cli(capsys, "compare", "--recipes", RECIPES, "--out", out, "--devices", "cpu,cpu", *ARGS)
@@ -106,6 +108,7 @@ def test_compare_on_devices_runs_each_recipe_in_its_own_process(compared, tmp_pa
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
 
 
+@pytest.mark.slow
 def test_compare_on_devices_passes_a_signal_to_its_runs(tmp_path):
     import os
     import signal
@@ -132,6 +135,7 @@ def test_compare_on_devices_passes_a_signal_to_its_runs(tmp_path):
     assert done.returncode == 0 and "bf16: resuming" in done.stdout, done.stderr
 
 
+@pytest.mark.slow
 def test_compare_on_devices_reports_a_failed_run(tmp_path, capsys):
     out = tmp_path / "out"  # a missing dataset passes the config checks here and fails in the child
     code, _, err = cli(capsys, "compare", "--recipes", "bf16", "--out", out, "--devices", "cpu", *ARGS,

@@ -35,6 +35,7 @@ def _model(recipe: str, checkpointing: str) -> Llama:
 @pytest.mark.parametrize("recipe,checkpointing", [("bf16", "none"), ("fp8-delayed", "full"), ("fp4", "selective"),
                                                   ("fp8-delayed", "selective"), ("fp8-tensorwise", "none"),
                                                   ("fp8-rowwise", "none"), ("fp4-no-occ", "full")])
+@pytest.mark.slow
 def test_blocks_share_one_graph_and_match_eager(recipe, checkpointing):
     ref, model = _model(recipe, checkpointing), _model(recipe, checkpointing)
     run = compile_model(model, "blocks", backend="aot_eager")
@@ -78,6 +79,7 @@ def _block_forward_graph(recipe: str):
     return forwards[0].graph
 
 
+@pytest.mark.slow
 def test_linears_reading_one_input_cast_it_once():
     """q, k, v read one normed input and w1, w3 another. A current scale depends on its tensor alone, so the
     compiled block casts each input to FP8 once (qkv, wo, w1/w3, w2: 4 casts), not once per linear (7)."""
@@ -94,6 +96,7 @@ def _saved(graph) -> list[torch.Tensor]:
             and not a.name.startswith("primals")]
 
 
+@pytest.mark.slow
 def test_compiled_block_keeps_no_fp8_copy_of_an_input_it_can_remake(monkeypatch):
     """Compiled, a linear keeps its input, not an FP8 copy: the partitioner remakes the norms' outputs and SwiGLU's
     product in backward from what their own backward keeps. Of the four inputs' FP8 copies (kept transposed) at
@@ -139,6 +142,7 @@ def test_unknown_scope_is_refused():
 
 
 @pytest.mark.parametrize("scope", ["blocks", "model"])
+@pytest.mark.slow
 def test_compiled_training_matches_eager_and_records_telemetry(tmp_path, capsys, monkeypatch, scope):
     import lowbit.train.trainer as trainer
 
@@ -175,6 +179,7 @@ def _min_cut(keep_mutations: bool = True):
 
 @pytest.mark.parametrize("recipe,checkpointing", [("fp8-delayed", "full"), ("fp8-delayed", "selective"),
                                                   ("fp8-tensorwise", "full")])
+@pytest.mark.slow
 def test_checkpointed_compiled_blocks_recompute_the_forward_casts(recipe, checkpointing):
     """A checkpointed compiled block recomputes its casts in backward from the scaling state: the state must still
     be what the forward read (delayed amaxes are recorded at the end of backward), or the gradients drift from the

@@ -45,11 +45,13 @@ def _check_against_full_attention(world, impl, causal, layout="zigzag"):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("impl", ["ring", "rsa"])
+@pytest.mark.slow
 def test_context_parallel_attention_equals_full_attention(impl, causal, world):
     _check_against_full_attention(world, impl, causal)
 
 
 @pytest.mark.parametrize("impl", ["ring", "rsa"])
+@pytest.mark.slow
 def test_plain_layout_equals_full_attention(impl):
     """Rank 0 holds the first half: rank 1's block is fully masked for it (skipped), rank 0's fully allowed for
     rank 1, and each rank's own block is the diagonal: every kind of block."""

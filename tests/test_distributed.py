@@ -64,6 +64,7 @@ def cli_main(args):
     ("fsdp2", 2, ["--parallel.dp_shard", "2"]),
     ("hsdp-dp2-fsdp2", 4, ["--parallel.dp", "2", "--parallel.dp_shard", "2", "--train.micro_batch_size", "1"]),
 ])
+@pytest.mark.slow
 def test_layout_matches_single_process(single, tmp_path, name, world, extra):
     base_dir, cache = single
     run = run_layout(tmp_path, name, world, extra, cache)
@@ -79,6 +80,7 @@ def test_layout_matches_single_process(single, tmp_path, name, world, extra):
             torch.testing.assert_close(w1[k], v, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_fp8_gradient_exchange_runs_and_counts_half_the_bytes(single, tmp_path):
     base_dir, cache = single
     fp8 = run_layout(tmp_path, "fp8", 2, ["--parallel.dp", "2", "--parallel.grad_sync", "fp8"], cache)
@@ -133,6 +135,7 @@ def _exchange_layout(rank, world, mode, bucket):
 # fp8 sums exactly in fp32 whatever the order; gloo's all-reduce of 3+ ranks adds in an order that depends on the
 # buffer size, so bf16 is checked with 2 ranks (one addition)
 @pytest.mark.parametrize("mode,world", [("fp8", 3), ("bf16", 2)])
+@pytest.mark.slow
 def test_gradient_exchange_does_not_depend_on_buckets(mode, world):
     whole = spawn(world, _exchange_layout, mode, 1 << 25)
     cut = spawn(world, _exchange_layout, mode, 96)  # 4 tensors, 1445 elements: 16 buckets, most tensors cut
@@ -159,6 +162,7 @@ def exchange_errors(results, world):
 FP8_BOUND = 0.08  # two E4M3 roundings, ~2.4% rms each, and underflow of the smallest values
 
 
+@pytest.mark.slow
 def test_fp8_exchange_against_fp32_mean_pre_scaling():
     world = 4
     results = spawn(world, _exchange, "fp8", "pre")
@@ -170,6 +174,7 @@ def test_fp8_exchange_against_fp32_mean_pre_scaling():
     assert results[0][2] <= 2 * (world - 1) * n // world + 64  # FP8 bytes both ways, plus a few scalars
 
 
+@pytest.mark.slow
 def test_fp8_exchange_post_scaling_overflows_and_auto_scaling_backs_off():
     world = 4
     post = spawn(world, _exchange, "fp8", "post")
@@ -208,12 +213,14 @@ def _bad_layout(rank, world, extra, cache):
     (["--parallel.dp_shard", "2", "--parallel.grad_sync", "fp8"], "not fp8"),
     (["--parallel.dp_shard", "2", "--recipe", "fp8lm-o2"], "fp32 states only"),
 ])
+@pytest.mark.slow
 def test_layout_errors_on_every_rank_without_hanging(single, extra, msg, capfd):
     codes = spawn(2, _bad_layout, extra, single[1], timeout=120)
     assert codes == [2, 2]
     assert msg in capfd.readouterr().err
 
 
+@pytest.mark.slow
 def test_checkpoint_of_one_layout_resumes_under_another(single, tmp_path):
     """dp2 stops at step 2, cp2 continues to 3, and the losses are the single-process run's."""
     base_dir, cache = single
@@ -239,6 +246,7 @@ def single_tp(tmp_path_factory, single):
     ("tp2", 2, ["--parallel.tp", "2"]),
     ("dp2-tp2", 4, ["--parallel.dp", "2", "--parallel.tp", "2"]),
 ])
+@pytest.mark.slow
 def test_tensor_parallel_matches_single_process(single_tp, tmp_path, name, world, extra):
     base_dir, cache = single_tp
     run = run_layout(tmp_path, name, world, [*HEADS, *extra], cache)
@@ -282,6 +290,7 @@ def _fp8_tp_step(rank, world, sync_amax):
         ref.tok_embeddings.weight.grad.norm().item()
 
 
+@pytest.mark.slow
 def test_fp8_tensor_parallel_casts_shards_with_the_whole_tensor_scale():
     """fp8-tensorwise under tp2 equals one process up to GEMM summation order when the shards share the whole
     tensor's amax, and visibly not when each shard scales itself (the check can fail)."""
@@ -291,6 +300,7 @@ def test_fp8_tensor_parallel_casts_shards_with_the_whole_tensor_scale():
     assert max(r[1] for r in own) > 10 * max(r[1] for r in shared), (own, shared)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_checkpoint_reshards_to_dp4_then_one_process(single_tp, tmp_path):
     """dp2·tp2 writes each tp shard once (two chunks of a split tensor, from two processes); dp4 reads whole
     tensors back from them for step 2, one process for step 3; the losses are the single-process run's."""
@@ -312,6 +322,7 @@ def test_tensor_parallel_checkpoint_reshards_to_dp4_then_one_process(single_tp, 
     assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
 
 
+@pytest.mark.slow
 def test_one_process_checkpoint_resumes_under_tensor_parallelism(single_tp, tmp_path):
     base_dir, cache = single_tp
     run = tmp_path / "one-then-tp"
@@ -321,6 +332,7 @@ def test_one_process_checkpoint_resumes_under_tensor_parallelism(single_tp, tmp_
     assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
 
 
+@pytest.mark.slow
 def test_zero1_matches_single_process_and_halves_optimizer_states(single, tmp_path):
     base_dir, cache = single
     run = run_layout(tmp_path, "dp2-zero1", 2, ["--parallel.dp", "2", "--parallel.zero", "1"], cache)
@@ -346,6 +358,7 @@ def test_zero1_matches_single_process_and_halves_optimizer_states(single, tmp_pa
 
 
 @pytest.mark.parametrize("weights", ["bf16", "fp16"])
+@pytest.mark.slow
 def test_zero1_with_low_precision_states_resumes_elsewhere(tmp_path, single, weights):
     """fp8lm-o2 (bf16 or scaled fp16 weights, FP8/FP16 states with scales) under dp2 + ZeRO-1 equals dp2 without
     it, and its checkpoint (every share gathered) continues in one process as the unsharded run's does."""
@@ -364,6 +377,7 @@ def test_zero1_with_low_precision_states_resumes_elsewhere(tmp_path, single, wei
     ("tp2-sp", 2, ["--parallel.tp", "2", "--parallel.sequence_parallel"]),
     ("dp2-tp2-sp", 4, ["--parallel.dp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel"]),
 ])
+@pytest.mark.slow
 def test_sequence_parallel_matches_single_process(single_tp, tmp_path, name, world, extra):
     base_dir, cache = single_tp
     run = run_layout(tmp_path, name, world, [*HEADS, *extra], cache)
@@ -375,6 +389,7 @@ def test_sequence_parallel_matches_single_process(single_tp, tmp_path, name, wor
             torch.testing.assert_close(w1[k], v, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sequence_parallel_fp8_gather_matches_tensor_parallel(single_tp, tmp_path):
     """Under fp8-tensorwise the activation gather travels as E4M3 with the scale the next linear computes anyway:
     the same losses as plain tp (whose linears cast the same values)."""
@@ -408,6 +423,7 @@ def single_untied(tmp_path_factory, single):
     ("dp2-pp2", 4, ["--parallel.dp", "2", "--parallel.pp", "2"]),
     ("tp2-pp2", 4, ["--parallel.tp", "2", "--parallel.pp", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2"]),
 ])
+@pytest.mark.slow
 def test_pipeline_parallel_matches_single_process(single_untied, tmp_path, name, world, extra):
     base_dir, cache = single_untied
     if "tp" in name:  # a baseline with the heads tp can split
@@ -425,6 +441,7 @@ def test_pipeline_parallel_matches_single_process(single_untied, tmp_path, name,
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.slow
 def test_pipeline_with_delayed_scaling_matches_single_process(single_untied, tmp_path, schedule):
     """Delayed scales move on once per step, after every micro-batch (scaling.reports_held): a pipeline, whose
     schedule runs several forwards before their backwards, casts each micro-batch as one process does."""
@@ -447,6 +464,7 @@ def test_pipeline_with_delayed_scaling_matches_single_process(single_untied, tmp
         torch.testing.assert_close(have[k].double() * factor, want[k].double(), rtol=1e-4, atol=0, msg=k)
 
 
+@pytest.mark.slow
 def test_pipeline_checkpoint_resumes_in_one_process(single_untied, tmp_path):
     base_dir, cache = single_untied
     run = tmp_path / "pp-then-one"
@@ -456,6 +474,7 @@ def test_pipeline_checkpoint_resumes_in_one_process(single_untied, tmp_path):
     assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
 
 
+@pytest.mark.slow
 def test_fsdp_checkpoint_reshards_to_dp2_then_one_process(single, tmp_path):
     """FSDP2 over 2 ranks writes each parameter and its Adam states as two dim-0 shards and holds half of every
     tensor per process; plain dp2 resumes it for step 2 and one process for step 3, on the single-process losses."""
@@ -478,6 +497,7 @@ def test_fsdp_checkpoint_reshards_to_dp2_then_one_process(single, tmp_path):
     assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
 
 
+@pytest.mark.slow
 def test_fsdp_reduces_gradients_in_bf16(single, tmp_path):
     """parallel.grad_sync bf16 under FSDP2 reduce-scatters bf16 gradients: the losses move off the fp32 run's
     (by the rounding of one exchange per step), and stay close to them."""
@@ -532,6 +552,7 @@ def _gathered_bytes(rank, world, fp8_gather):
     return len(wrapped), seen, sum(sent), loss.item(), linear_numel
 
 
+@pytest.mark.slow
 def test_fsdp_all_gathers_fp8_tensorwise_weights_as_bytes():
     fp8 = spawn(2, _gathered_bytes, True)
     wide = spawn(2, _gathered_bytes, False)
@@ -543,6 +564,7 @@ def test_fsdp_all_gathers_fp8_tensorwise_weights_as_bytes():
     assert fp8[0][3] == wide[0][3]  # the same FP8 weights, so the same loss, bit for bit
 
 
+@pytest.mark.slow
 def test_fsdp_fp8_gather_matches_data_parallel_and_resumes_under_it(single, tmp_path):
     """fp8-tensorwise under dp_shard 2 (weights gathered as FP8) gives dp2's losses bit for bit, and its
     checkpoint (the high-precision shards) resumes under dp2."""
@@ -597,6 +619,7 @@ def _amax_reductions(rank, world):
     return counts, losses_
 
 
+@pytest.mark.slow
 def test_fsdp_fp8_gather_uses_precomputed_amax_unless_the_weight_changed():
     counts, _ = spawn(2, _amax_reductions)[0]
     assert counts == [0, 1]
@@ -625,6 +648,7 @@ def _train_signalled(rank, world, run_dir, cache):
     return rank
 
 
+@pytest.mark.slow
 def test_a_signal_to_one_process_stops_all_after_the_same_step(single, tmp_path):
     from lowbit.train.checkpoint import find_resumable
 
@@ -655,6 +679,7 @@ def _train_compiled(rank, world, run_dir, extra, cache):
     ("fsdp2-blocks", 2, ["--parallel.dp_shard", "2"]),
     ("tp2-blocks", 2, ["--parallel.tp", "2", "--model.n_heads", "4", "--model.n_kv_heads", "2"]),
 ])
+@pytest.mark.slow
 def test_compiled_blocks_under_parallel_layouts_match_eager(single, single_untied, tmp_path, name, world, extra):
     """Regional compilation (each block compiled in place) under pipeline stages, FSDP2 and tensor parallelism
     trains what the eager single-process run trains, without a graph break. (Tensor parallelism broke it 9 times

@@ -176,6 +176,7 @@ def test_existing_run_is_not_overwritten(capsys, tmp_path, dataset):
     assert snapshot(run) == before
 
 
+@pytest.mark.slow
 def test_non_finite_steps_are_skipped_then_rolled_back_then_stop(capsys, tmp_path, dataset):
     run = tmp_path / "run"
     code, out, err = cli(capsys, "train", *SMALL, "--data.path", dataset, "--train.steps", "30",

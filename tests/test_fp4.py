@@ -271,6 +271,7 @@ def test_fp4_bad_input():
 
 
 @pytest.mark.parametrize("recipe", ["fp4-no-dge", "fp4-no-occ", "fp4-weights-only"])
+@pytest.mark.slow
 def test_fp4_ablations_train(recipe, tmp_path, capsys):
     import math
 

@@ -156,6 +156,7 @@ def test_checkpointing_replay_does_not_record_twice():
 
 
 @pytest.mark.parametrize("policy", ["full", "selective"])
+@pytest.mark.slow
 def test_checkpointing_replay_casts_as_the_original_forward(policy):
     """With delayed scaling the scale moves on after each recorded cast; the replayed forward must still cast
     with the one the original used, so gradients equal those of the run without checkpointing."""
@@ -205,6 +206,7 @@ def recipe_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("recipe", [r for r in LOW if r in TRAINED])
+@pytest.mark.slow
 def test_every_recipe_trains_within_2_percent_of_bf16(recipe_runs, recipe):
     """FP8 recipes: 2%. FP4 (the paper's gap at 1.3B is 2.4% after 100B tokens): 5%."""
     from conftest import read_metrics
@@ -216,12 +218,14 @@ def test_every_recipe_trains_within_2_percent_of_bf16(recipe_runs, recipe):
     assert telemetry and len(telemetry[-1]) == 4 * 7
 
 
+@pytest.mark.slow
 def test_performer_trains_close_to_sdpa(recipe_runs):
     """FAVOR+ estimates softmax attention: some gap is expected. Measured on 2026-11-30: 4.515 vs 4.385 (+3.0%)."""
     base, run = losses(recipe_runs / "bf16", "val_loss")[200], losses(recipe_runs / "performer", "val_loss")[200]
     assert run < 0.6 * losses(recipe_runs / "performer")[1] and abs(run - base) / base <= 0.06, (run, base)
 
 
+@pytest.mark.slow
 def test_inspect_reads_telemetry(recipe_runs, capsys, tmp_path):
     code, out, _ = cli(capsys, "inspect", recipe_runs / "fp8-delayed", "--out", tmp_path)
     assert code == 0 and "worst quantization SNR" in out
@@ -282,6 +286,7 @@ def test_wgrad_in_high_precision():
 
 
 @pytest.mark.parametrize("recipe", LOW)
+@pytest.mark.slow
 def test_compiles_in_one_graph_and_backward_still_records(recipe):
     """No graph break, delayed scaling included: backward reports its output-gradient amax through the state's
     sink tensor instead of writing the state (which would force a break)."""

@@ -327,6 +327,7 @@ def test_fp8_sum_pre_post_and_auto_scaling():
 
 
 @pytest.mark.parametrize("weights", ["", "fp16"])
+@pytest.mark.slow
 def test_resume_with_fp8_optimizer_states_is_bit_exact(tmp_path, capsys, weights):
     from conftest import SMALL, cli, losses
 
@@ -608,6 +609,7 @@ def test_optim_cuda_graphs_setting_reaches_the_optimizer():
         assert opt.cuda_graphs is want and optim_precision(cfg).grads == "e4m3"
 
 
+@pytest.mark.slow
 def test_compiled_optimizer_makes_graphs_per_weight_shape_not_per_pattern(monkeypatch):
     """`1b`'s weights (2048x2048, 5632x2048, 2048x5632, 256x2048, ...) in chunks of 8. The update, the gradient
     stores and the stored norms are compiled for static shapes (their reductions, traced with dynamic ones, ran on

@@ -23,6 +23,7 @@ def default_run(tmp_path_factory):
     return run_dir
 
 
+@pytest.mark.slow
 def test_default_run_learns(default_run):
     vocab = json.loads((default_run / "checkpoints" / "step_00000250" / "trainer.json").read_text())
     ln_vocab = math.log(vocab["model_args"]["vocab_size"])
@@ -36,6 +37,7 @@ def test_default_run_learns(default_run):
     assert [r["step"] for r in train_lines] == list(range(1, 251))
 
 
+@pytest.mark.slow
 def test_generate_and_export_from_default_run(default_run, tmp_path, capsys):
     code, out, _ = cli(capsys, "generate", default_run, "--prompt", "import ", "--max-new-tokens", "20")
     assert code == 0 and out.startswith("import ")
