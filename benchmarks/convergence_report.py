@@ -14,7 +14,7 @@ import json
 import re
 from pathlib import Path
 
-from lowbit.recipes import RECIPES
+from lowbit.numerics.recipes import RECIPES
 from lowbit.tools.compare import LAST_N, _gap, plot, read_run, split_entry, table
 
 p = argparse.ArgumentParser()

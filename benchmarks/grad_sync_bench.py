@@ -30,7 +30,7 @@ import torch.distributed as dist
 from lowbit.distributed import grad_sync as new_impl
 from lowbit.distributed.grad_sync import GradSync
 from lowbit.errors import LowbitError
-from lowbit.formats import get_format
+from lowbit.numerics.formats import get_format
 from lowbit.models.llama import PRESETS, Llama, ModelArgs, swiglu_hidden
 from lowbit.optim.grad_scaling import AutoScale
 from lowbit.optim.precision import _pow2_scale

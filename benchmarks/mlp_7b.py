@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lowbit.qtensor import quantize
-from lowbit.recipes import convert, get_recipe
-from lowbit.scaling import Scaling
+from lowbit.numerics.qtensor import quantize
+from lowbit.numerics.recipes import convert, get_recipe
+from lowbit.numerics.scaling import Scaling
 
 DIM, HIDDEN, TOKENS = 4096, 11008, 16384
 

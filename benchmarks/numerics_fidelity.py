@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from lowbit.recipes import RECIPES
+from lowbit.numerics.recipes import RECIPES
 from lowbit.tools.fidelity import linear_fidelity
 
 print(f"{datetime.date.today()} | torch {torch.__version__} | `python {' '.join(sys.argv)}`\n")

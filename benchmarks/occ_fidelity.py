@@ -20,9 +20,9 @@ import time
 
 import torch
 
-from lowbit.fp4 import OCC, abs_quantile, occ_residual, occ_split
-from lowbit.qtensor import quantize
-from lowbit.scaling import Scaling
+from lowbit.numerics.fp4 import OCC, abs_quantile, occ_residual, occ_split
+from lowbit.numerics.qtensor import quantize
+from lowbit.numerics.scaling import Scaling
 
 FP4_ROW = Scaling("e2m1", "row")
 CASES = [("no clamp", None, False), ("clamp 0.999", 0.999, False), ("clamp 0.999 + comp", 0.999, True),

@@ -4,7 +4,7 @@ what OCC costs on top of plain FP4 and FP8, and whether torch.compile traces it.
     python benchmarks/occ_linear.py [--device cuda] [--tokens 4096 --dims 768,2048]
         [--recipes fp4,fp4:sparse,fp4-no-occ,fp8-tensorwise] [--modes eager,compiled] [--autocast bf16]
 
-A recipe name with `:sparse` or `:dense` sets its OCC products (lowbit.fp4.OCC.products). --autocast bf16 runs the
+A recipe name with `:sparse` or `:dense` sets its OCC products (lowbit.numerics.fp4.OCC.products). --autocast bf16 runs the
 layer under bf16 autocast, as the trainer does on a GPU (default there; fp32 on the CPU).
 """
 
@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import torch
 
-from lowbit.linear import LowPrecisionLinear
-from lowbit.recipes import get_recipe
+from lowbit.numerics.linear import LowPrecisionLinear
+from lowbit.numerics.recipes import get_recipe
 
 
 def time_step(layer, x, dy, steps: int, device: str) -> float:

@@ -1,4 +1,4 @@
-"""Launch settings of lowbit's Triton quantization kernels (lowbit/kernels.py) on a GPU, each timed in a CUDA graph
+"""Launch settings of lowbit's Triton quantization kernels (lowbit/numerics/kernels.py) on a GPU, each timed in a CUDA graph
 (the kernels' own time, no host launches) on 16384 x 4096 bf16 tensors, beside inductor's compiled quantize and a
 plain copy (the bandwidth a pass can reach). The calls cycle through 4 inputs (no call finds its input in L2 from
 the call before, as in training). Every quantize setting's bytes and scale are checked against the compiled
@@ -15,9 +15,9 @@ import json
 
 import torch
 
-from lowbit import kernels
-from lowbit.qtensor import quantize
-from lowbit.scaling import Scaling
+from lowbit.numerics import kernels
+from lowbit.numerics.qtensor import quantize
+from lowbit.numerics.scaling import Scaling
 from lowbit.tools.bench.common import graph_ms
 
 DEFAULTS = {k: getattr(kernels, k) for k in ("AMAX_BLOCK", "AMAX_ITERS", "AMAX_WARPS", "CAST_BLOCK", "CAST_WARPS",

@@ -1,4 +1,4 @@
-"""Compressed saved activations (COAT-style, lowbit.activations): the codec, where a recipe puts it, what it saves
+"""Compressed saved activations (COAT-style, lowbit.numerics.activations): the codec, where a recipe puts it, what it saves
 and what it costs the gradients."""
 
 import copy
@@ -7,10 +7,10 @@ from dataclasses import replace as dataclass_replace
 import pytest
 import torch
 
-from lowbit.activations import RowScaledCodec, compress_saved_activations
+from lowbit.numerics.activations import RowScaledCodec, compress_saved_activations
 from lowbit.models.llama import Llama, ModelArgs
-from lowbit.recipes import convert, get_recipe, with_filters
-from lowbit.scaling import Scaling
+from lowbit.numerics.recipes import convert, get_recipe, with_filters
+from lowbit.numerics.scaling import Scaling
 from lowbit.tools.bench.memory import SavedBytes
 
 ROW = Scaling("e4m3", "row")

@@ -180,7 +180,7 @@ def test_lowbit_triton_0_turns_the_kernels_off():
     import subprocess
     import sys
 
-    code = "from lowbit import kernels; print(kernels.ENABLED)"
+    code = "from lowbit.numerics import kernels; print(kernels.ENABLED)"
     out = [subprocess.run([sys.executable, "-c", code], env={**os.environ, "LOWBIT_TRITON": v}, capture_output=True,
                           text=True, check=True).stdout.strip() for v in ("0", "1")]
     assert out == ["False", "True"]
@@ -233,7 +233,7 @@ def test_bench_step_variant_trains_with_its_setting(tmp_path, capsys, monkeypatc
 
 def test_bench_step_variant_takes_numerics_settings(tmp_path, capsys, monkeypatch):
     """The recipe is resolved as the trainer resolves it: a [numerics] filter in a variant changes what is covered."""
-    import lowbit.recipes as recipes
+    import lowbit.numerics.recipes as recipes
 
     covered = []
     real = recipes.convert

@@ -11,7 +11,7 @@ from torch._dynamo.utils import counters
 
 from conftest import SMALL, cli, losses, read_metrics
 from lowbit.models.llama import Llama, ModelArgs
-from lowbit.recipes import convert, get_recipe
+from lowbit.numerics.recipes import convert, get_recipe
 from lowbit.train.compile import compile_model, eager
 
 
@@ -101,13 +101,13 @@ def test_compiled_block_keeps_no_fp8_copy_of_an_input_it_can_remake(monkeypatch)
     """Compiled, a linear keeps its input, not an FP8 copy: the partitioner remakes the norms' outputs and SwiGLU's
     product in backward from what their own backward keeps. Of the four inputs' FP8 copies (kept transposed) at
     most one stays, as with torchao's float8 linears, and the block keeps fewer bytes than with the copies."""
-    import lowbit.linear
+    import lowbit.numerics.linear
 
     saved = _saved(_block_forward_graph("fp8-tensorwise"))
     fp8 = [v for v in saved if v.dtype == torch.float8_e4m3fn and 96 in v.shape]
     assert len(fp8) <= 1, [tuple(v.shape) for v in fp8]  # the FP8 copies kept before: 4
     torch._dynamo.reset()
-    monkeypatch.setattr(lowbit.linear, "_keeps_input", lambda recipe, clamped: False)  # the FP8 copy, as eagerly
+    monkeypatch.setattr(lowbit.numerics.linear, "_keeps_input", lambda recipe, clamped: False)  # the FP8 copy, as eagerly
     copies = _saved(_block_forward_graph("fp8-tensorwise"))
     assert len([v for v in copies if v.dtype == torch.float8_e4m3fn and 96 in v.shape]) >= 4
     nbytes = lambda ts: sum(t.numel() * t.element_size() for t in ts)  # noqa: E731

@@ -263,7 +263,7 @@ def _fp8_tp_step(rank, world, sync_amax):
 
     from lowbit.distributed import tensor_parallel
     from lowbit.models.llama import Llama, ModelArgs
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.numerics.recipes import convert, get_recipe
 
     init_gloo()
     torch.manual_seed(0)
@@ -520,7 +520,7 @@ def _gathered_bytes(rank, world, fp8_gather):
     from lowbit.distributed.fsdp import apply_fsdp
     from lowbit.distributed.mesh import init_mesh
     from lowbit.models.llama import Llama, ModelArgs
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.numerics.recipes import convert, get_recipe
 
     parallel = SimpleNamespace(pp=1, dp=1, dp_shard=2, cp=1, tp=1, timeout_s=60)
     mesh = init_mesh(parallel, torch.device("cpu"))
@@ -586,7 +586,7 @@ def _amax_reductions(rank, world):
     from lowbit.distributed.fsdp_fp8 import precompute_amax
     from lowbit.distributed.mesh import init_mesh
     from lowbit.models.llama import Llama, ModelArgs
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.numerics.recipes import convert, get_recipe
 
     mesh = init_mesh(SimpleNamespace(pp=1, dp=1, dp_shard=2, cp=1, tp=1, timeout_s=60), torch.device("cpu"))
     torch.manual_seed(0)

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from lowbit.recipes import RECIPES
+from lowbit.numerics.recipes import RECIPES
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
 

@@ -1,4 +1,4 @@
-"""lowbit.formats against ml_dtypes (the reference for every format) and torch's own float8 casts."""
+"""lowbit.numerics.formats against ml_dtypes (the reference for every format) and torch's own float8 casts."""
 
 import functools
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats import FORMATS, FloatFormat, get_format, pack_fp4, unpack_fp4
+from lowbit.numerics.formats import FORMATS, FloatFormat, get_format, pack_fp4, unpack_fp4
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
 hypothesis = pytest.importorskip("hypothesis")

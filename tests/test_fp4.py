@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.fp4 import (DGE, OCC, abs_quantile, dge_factor, dge_surrogate, occ_capacity, occ_mm, occ_residual,
+from lowbit.numerics.fp4 import (DGE, OCC, abs_quantile, dge_factor, dge_surrogate, occ_capacity, occ_mm, occ_residual,
                         occ_split, occ_wgrad)
-from lowbit.formats import FORMATS
+from lowbit.numerics.formats import FORMATS
 
 GRID = FORMATS["e2m1"]
 
@@ -42,7 +42,7 @@ def test_dge_k_of_1_trains_as_straight_through():
     bit."""
     from torch import nn
 
-    from lowbit.recipes import convert, get_recipe, with_dge
+    from lowbit.numerics.recipes import convert, get_recipe, with_dge
     from lowbit.train.config import load_config
     from lowbit.train.config import resolve_recipe as recipe_of
 
@@ -73,8 +73,8 @@ def test_dge_limits_straight_through_and_hard_quantizer():
 
 
 def _layer(occ, dge, weight):
-    from lowbit.linear import LinearRecipe, LowPrecisionLinear
-    from lowbit.scaling import Scaling
+    from lowbit.numerics.linear import LinearRecipe, LowPrecisionLinear
+    from lowbit.numerics.scaling import Scaling
 
     r = LinearRecipe(Scaling("e2m1", "row"), Scaling("e2m1", "row"), Scaling("e4m3", "row"), dge=dge, occ=occ)
     layer = LowPrecisionLinear.from_linear(torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False), r)
@@ -86,9 +86,9 @@ def _layer(occ, dge, weight):
 def test_fp4_forward_and_backward_against_a_reference(products):
     """y = Q(clamp x)·Q(W)ᵀ + ΔY·Wᵀ; dx straight-through (as without OCC); dW = (quantized-path wgrad)·f' + dyᵀ·ΔY,
     with OCC's products dense or sparse (fp32 here: both are the same math)."""
-    from lowbit.gemm import scaled_matmul
-    from lowbit.qtensor import quantize
-    from lowbit.scaling import Scaling, expand_groups
+    from lowbit.numerics.gemm import scaled_matmul
+    from lowbit.numerics.qtensor import quantize
+    from lowbit.numerics.scaling import Scaling, expand_groups
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 128, generator=g)
@@ -229,8 +229,8 @@ def test_occ_fidelity_table():
         clamp, comp = rows["clamp 0.999"][part], rows["clamp 0.999 + comp"][part]
         assert comp["cos"] > clamp["cos"] and comp["mse"] < clamp["mse"] and comp["snr_db"] > clamp["snr_db"]
         assert rows["clamp 0.99 + comp"][part]["snr_db"] > rows["no clamp"][part]["snr_db"]
-    from lowbit.linear import LinearRecipe, LowPrecisionLinear
-    from lowbit.scaling import Scaling
+    from lowbit.numerics.linear import LinearRecipe, LowPrecisionLinear
+    from lowbit.numerics.scaling import Scaling
 
     r = LinearRecipe(Scaling("e2m1", "row"), Scaling("e2m1", "row"), Scaling("e4m3", "row"))
     plain = LowPrecisionLinear.from_linear(torch.nn.Linear(256, 64, bias=False), r)
@@ -240,9 +240,9 @@ def test_occ_fidelity_table():
 
 
 def test_fp4_gemm_runs_on_fp8_storage_and_matches_emulation():
-    from lowbit.gemm import fast_path_reason, scaled_matmul
-    from lowbit.qtensor import quantize
-    from lowbit.scaling import Scaling
+    from lowbit.numerics.gemm import fast_path_reason, scaled_matmul
+    from lowbit.numerics.qtensor import quantize
+    from lowbit.numerics.scaling import Scaling
 
     g = torch.Generator().manual_seed(0)
     a, b = quantize(torch.randn(64, 128, generator=g), Scaling("e2m1", "row")), \
@@ -251,7 +251,7 @@ def test_fp4_gemm_runs_on_fp8_storage_and_matches_emulation():
     assert set(a.data.float().abs().unique().tolist()) <= {0, 0.5, 1, 1.5, 2, 3, 4, 6}
     emulated = a.dequantize() @ b.dequantize().t()
     torch.testing.assert_close(scaled_matmul(a, b), emulated, rtol=1e-5, atol=1e-5)
-    from lowbit.gemm import _cpu_rowwise_supported
+    from lowbit.numerics.gemm import _cpu_rowwise_supported
 
     assert (fast_path_reason(a, b, torch.float32) is None) == _cpu_rowwise_supported()
 
@@ -263,7 +263,7 @@ def test_fp4_bad_input():
         OCC(1.5)
     with pytest.raises(LowbitError, match="k must be > 0"):
         DGE(k=0)
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.numerics.recipes import convert, get_recipe
 
     model = torch.nn.Sequential(torch.nn.Linear(64, 33))
     with pytest.raises(LowbitError, match="FP4 on 0: 64 -> 33"):

@@ -35,9 +35,9 @@ def test_compiled_bf16_matches_eager_loss():
 @pytest.mark.parametrize("out", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("gran", ["tensor", "row"])
 def test_fp8_tensor_cores_match_emulation(gran, out):
-    from lowbit.gemm import fast_path_reason, scaled_matmul
-    from lowbit.qtensor import quantize
-    from lowbit.scaling import Scaling
+    from lowbit.numerics.gemm import fast_path_reason, scaled_matmul
+    from lowbit.numerics.qtensor import quantize
+    from lowbit.numerics.scaling import Scaling
 
     torch.manual_seed(0)
     a = quantize(torch.randn(256, 512, device="cuda") * 3, Scaling("e4m3", gran))
@@ -51,7 +51,7 @@ def test_fp8_tensor_cores_match_emulation(gran, out):
 
 
 def test_every_recipe_runs_compiled_on_gpu():
-    from lowbit.recipes import RECIPES, convert
+    from lowbit.numerics.recipes import RECIPES, convert
 
     for name, recipe in RECIPES.items():
         torch.manual_seed(0)
@@ -166,7 +166,7 @@ def test_compiled_update_with_a_master_tracks_fp64_at_a_small_lr(master, bound):
 def test_step_profile_sorts_real_kernel_names():
     """`bench step --profile` on real CUDA kernels: an FP8 step's GEMMs, attention and fused kernels land in their
     kinds, no annotation range is counted, and the busy time fits inside the sum."""
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.numerics.recipes import convert, get_recipe
     from lowbit.tools.bench.profile import kernel_ms
 
     torch.manual_seed(0)
@@ -194,7 +194,7 @@ def test_step_profile_sorts_real_kernel_names():
 def test_occ_split_on_gpu_compiled_equals_cpu():
     """The outlier selection on CUDA (topk quantile, traced and compiled by inductor) picks what the CPU's
     (kthvalue, eager) does, with and without overflow, and launches no host sync."""
-    from lowbit.fp4 import OCC, occ_split
+    from lowbit.numerics.fp4 import OCC, occ_split
 
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(4096, 512, generator=g) / torch.rand(4096, 512, generator=g).clamp(min=0.05)).bfloat16()
@@ -217,7 +217,7 @@ def test_occ_split_on_gpu_compiled_equals_cpu():
 
 def test_sampled_quantile_on_gpu_equals_cpu_with_a_nan():
     """CUDA's topk-based quantile counts NaN as the largest value, as the CPU's kthvalue does."""
-    from lowbit.fp4 import abs_quantile
+    from lowbit.numerics.fp4 import abs_quantile
 
     x = torch.randn(4096, 256, generator=torch.Generator().manual_seed(0))
     x[0, 3] = float("nan")
@@ -307,7 +307,7 @@ def test_compiled_linears_keeping_their_inputs_match_eager_on_gpu(recipe):
     and eager FP8 gradients differ by about as much as FP8 and bf16 do (E5M2 gradients round anew on any small
     change; 7-12% at this random init on the CPU, as before the change): each must be as close to bf16's as the
     eager one is. A wrong scale or layout in backward would be off by far more."""
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.numerics.recipes import convert, get_recipe
 
     def grads(recipe, compiled):
         torch.manual_seed(0)
@@ -335,9 +335,9 @@ def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype, 
     CPU (on the GPU those formulas now call the kernels)."""
     import math
 
-    from lowbit import kernels
-    from lowbit.qtensor import QTensor, cast, quantize
-    from lowbit.scaling import Scaling, group_amax, scale_from_amax
+    from lowbit.numerics import kernels
+    from lowbit.numerics.qtensor import QTensor, cast, quantize
+    from lowbit.numerics.scaling import Scaling, group_amax, scale_from_amax
 
     if kernels.triton is None:
         pytest.skip("no Triton")

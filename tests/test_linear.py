@@ -8,12 +8,12 @@ from torch import nn
 
 from conftest import cli, losses
 from lowbit.errors import LowbitError
-from lowbit.gemm import fast_path_reason, scaled_matmul
-from lowbit.linear import LowPrecisionLinear
+from lowbit.numerics.gemm import fast_path_reason, scaled_matmul
+from lowbit.numerics.linear import LowPrecisionLinear
 from lowbit.models.llama import Llama, ModelArgs
-from lowbit.qtensor import QTensor, quantize
-from lowbit.recipes import RECIPES, convert, covered_linears, get_recipe, with_filters
-from lowbit.scaling import Scaling
+from lowbit.numerics.qtensor import QTensor, quantize
+from lowbit.numerics.recipes import RECIPES, convert, covered_linears, get_recipe, with_filters
+from lowbit.numerics.scaling import Scaling
 from lowbit.tools.fidelity import linear_fidelity
 
 LOW = [name for name, r in RECIPES.items() if r.linear is not None]
@@ -127,7 +127,7 @@ def test_convert_filters_and_keeps_parameters():
         "attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1", "feed_forward.w3"))
     assert "layers.0.feed_forward.w2 (keep feed_forward.w2)" in report["kept"]
     assert "layers.2.attention.wq (keep layers.2.*)" in report["kept"]
-    from lowbit.recipes import keep_patterns
+    from lowbit.numerics.recipes import keep_patterns
 
     assert keep_patterns(" w2; w3,w2 ,") == ("w2", "w3")  # ; as well (a compare variant holds no comma), once each
     for typo in ("w4", "layers.9.*", "forward.w2"):  # endings match whole dotted parts, globs the whole name
@@ -251,16 +251,16 @@ def test_resume_with_delayed_scaling_is_bit_exact(tmp_path, capsys):
 
 
 def test_fast_accumulation_only_in_fprop(monkeypatch):
-    import lowbit.linear
+    import lowbit.numerics.linear
 
     calls = []
-    real = lowbit.linear.scaled_matmul
+    real = lowbit.numerics.linear.scaled_matmul
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("fast_accum", False))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lowbit.linear, "scaled_matmul", spy)
+    monkeypatch.setattr(lowbit.numerics.linear, "scaled_matmul", spy)
     layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
     layer(torch.randn(16, 64, requires_grad=True)).sum().backward()
     assert calls == [True, False, False]  # fprop, dgrad, wgrad
@@ -290,7 +290,7 @@ def test_wgrad_in_high_precision():
 def test_compiles_in_one_graph_and_backward_still_records(recipe):
     """No graph break, delayed scaling included: backward reports its output-gradient amax through the state's
     sink tensor instead of writing the state (which would force a break)."""
-    from lowbit.recipes import get_recipe
+    from lowbit.numerics.recipes import get_recipe
 
     torch._dynamo.reset()  # each recipe is a new guard set on the same code: do not count earlier ones
     torch.manual_seed(0)

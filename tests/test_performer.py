@@ -15,7 +15,7 @@ from lowbit.models import performer
 from lowbit.models.llama import Llama, ModelArgs
 from lowbit.models.performer import (CausalLinearAttention, Performer, default_features, favor_attention,
                                      feature_map, orthogonal_features)
-from lowbit.recipes import RECIPES, convert, get_recipe
+from lowbit.numerics.recipes import RECIPES, convert, get_recipe
 from lowbit.train.checkpoint import find_resumable, read_whole
 
 

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.linear import LinearRecipe, LowPrecisionLinear
-from lowbit.qtensor import quantize
-from lowbit.scaling import OperandStates, Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+from lowbit.numerics.linear import LinearRecipe, LowPrecisionLinear
+from lowbit.numerics.qtensor import quantize
+from lowbit.numerics.scaling import OperandStates, Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
 
 E4M3_MAX = 448.0
 
@@ -71,7 +71,7 @@ def test_delayed_warmup_casts_with_the_current_amax_first_and_after_a_bad_one():
 
 
 def test_fp8lm_recipes_warm_up_their_delayed_operands():
-    from lowbit.recipes import get_recipe
+    from lowbit.numerics.recipes import get_recipe
 
     for name in ("fp8lm", "fp8lm-o1", "fp8lm-o2", "fp8lm-o3"):
         lin = get_recipe(name).linear
@@ -186,7 +186,7 @@ def test_a_copied_layer_records_its_own_backward():
     into the copy (before, the copied sink had no hook and the copy's output-gradient state never moved)."""
     import copy
 
-    from lowbit.recipes import get_recipe
+    from lowbit.numerics.recipes import get_recipe
 
     layer = LowPrecisionLinear.from_linear(torch.nn.Linear(32, 16, bias=False), get_recipe("fp8-tensorwise").linear)
     twin = copy.deepcopy(layer)
@@ -252,7 +252,7 @@ def test_held_reports_wait_for_the_outermost_block_then_are_recorded_in_order():
     in order, as if each pass had recorded its own (the trainer's step over micro-batches)."""
     import copy
 
-    from lowbit.scaling import reports_held
+    from lowbit.numerics.scaling import reports_held
 
     st = ScalingState(Scaling("e4m3", strategy="delayed", history=4))
     ref = copy.deepcopy(st)

@@ -183,7 +183,7 @@ def test_training_knobs_change_the_run(tmp_path, capsys, knob):
 
 
 def test_weight_decay_only_on_matrices(tmp_path, capsys):
-    from lowbit.recipes import get_recipe
+    from lowbit.numerics.recipes import get_recipe
     from lowbit.train.config import load_config, optim_precision
     from lowbit.train.trainer import build_optimizer
 

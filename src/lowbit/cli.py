@@ -69,7 +69,7 @@ def _subcommand(name: str, argv: list[str]) -> int:
 
 
 def _recipes() -> int:
-    from lowbit.recipes import RECIPES
+    from lowbit.numerics.recipes import RECIPES
 
     for r in RECIPES.values():
         print(f"{r.name:<16} {r.description}")

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from lowbit.qtensor import QTensor, cast
-from lowbit.scaling import Scaling, scale_from_amax
+from lowbit.numerics.qtensor import QTensor, cast
+from lowbit.numerics.scaling import Scaling, scale_from_amax
 
 aten = torch.ops.aten
 # views of a parameter FSDP2 and the optimizer take: the same data, so the same record of its changes
@@ -156,7 +156,7 @@ def wrap_fp8_gather(model: torch.nn.Module) -> list[str]:
     """Make the weight of every LowPrecisionLinear whose weight scaling allows it an FP8GatherWeight (before
     fully_shard). A weight shared with another module (tied embeddings) is left alone: the embedding lookup needs
     its high-precision values. Returns the names of the wrapped weights."""
-    from lowbit.linear import LowPrecisionLinear
+    from lowbit.numerics.linear import LowPrecisionLinear
 
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from lowbit.errors import LowbitError
-from lowbit.formats import get_format
+from lowbit.numerics.formats import get_format
 from lowbit.optim.grad_scaling import AutoScale
 from lowbit.optim.precision import _pow2_scale
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.linear import LowPrecisionLinear, _in_backward
+from lowbit.numerics.linear import LowPrecisionLinear, _in_backward
 
 # What this process's tensor-parallel collectives send (a ring all-reduce sends 2(n-1)/n of its tensor, an all-gather
 # (n-1) chunks). Counted by the module hooks, outside the autograd Functions, the backward's collectives included,
@@ -185,7 +185,7 @@ class _GatherSeq(torch.autograd.Function):
         ctx.group, ctx.partial = group, partial
         if not fp8:
             return _all_gather_seq(x, group)
-        from lowbit.scaling import Scaling, all_max, scale_from_amax
+        from lowbit.numerics.scaling import Scaling, all_max, scale_from_amax
 
         spec = Scaling("e4m3")
         scale, _ = scale_from_amax(all_max(x.detach().abs().amax().float(), group), spec, fallback=1.0)

@@ -1,6 +1,6 @@
 """LLaMA (Touvron et al. 2023) in plain PyTorch: pre-normalization with RMSNorm, SwiGLU, rotary embeddings,
 grouped-query attention, no biases. Knows nothing of low precision or parallelism: those layers are applied to a
-built model from outside (lowbit.recipes.convert, lowbit.distributed).
+built model from outside (lowbit.numerics.recipes.convert, lowbit.distributed).
 
 Weight layout follows HF transformers' LlamaForCausalLM (rotate-half RoPE), so export is a renaming.
 """
@@ -242,7 +242,7 @@ class _SiluMul(torch.autograd.Function):
 
 class SwiGLU(nn.Module):
     """silu(a) * b, keeping only a and b for backward. `codec` (None: kept as they are) is how a numerics recipe may
-    store them instead (an object with pack(t) -> tensors and unpack(*tensors, dtype) -> t; lowbit.activations);
+    store them instead (an object with pack(t) -> tensors and unpack(*tensors, dtype) -> t; lowbit.numerics.activations);
     this model knows no format."""
 
     def __init__(self):

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.formats import get_format
+from lowbit.numerics.formats import get_format
 from lowbit.optim.precision import _pow2_scale
 
 MODES = ("pre", "post", "auto")

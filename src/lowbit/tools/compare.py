@@ -88,7 +88,7 @@ def split_entry(entry: str) -> tuple[str, list[str]]:
 
 def parse_recipes(text: str) -> dict[str, tuple[str, list[str]]]:
     """Each entry as given (its run's name and dir): its recipe and its variant's overrides."""
-    from lowbit.recipes import RECIPES
+    from lowbit.numerics.recipes import RECIPES
 
     names = [n.strip() for n in text.split(",")]
     entries = {}
@@ -450,7 +450,7 @@ def run(a: argparse.Namespace) -> int:
     import torch
 
     from lowbit.distributed.mesh import world_size
-    from lowbit.recipes import RECIPES
+    from lowbit.numerics.recipes import RECIPES
 
     if world_size() > 1:
         raise LowbitError("compare: runs its recipes one after another in one process; start it without torchrun")

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.linear import LowPrecisionLinear
-from lowbit.recipes import get_recipe
+from lowbit.numerics.linear import LowPrecisionLinear
+from lowbit.numerics.recipes import get_recipe
 
 
 def llama_like_inputs(tokens: int, dim: int, hidden: int, seed: int = 0):

@@ -339,7 +339,7 @@ def _check_keep(cfg: Config) -> None:
     import torch
 
     from lowbit.models.llama import Llama, resolve_model_args
-    from lowbit.recipes import check_keep, keep_patterns
+    from lowbit.numerics.recipes import check_keep, keep_patterns
 
     keep = keep_patterns(cfg.numerics.keep)
     cfg.numerics.keep = ",".join(keep)
@@ -351,7 +351,7 @@ def _check_keep(cfg: Config) -> None:
 
 def validate(cfg: Config) -> None:
     from lowbit.models.llama import PRESETS
-    from lowbit.recipes import RECIPES
+    from lowbit.numerics.recipes import RECIPES
 
     choices = dict(CHOICES, **{"model.preset": tuple(PRESETS)})
     for key, allowed in choices.items():
@@ -397,7 +397,7 @@ def resolve_recipe(cfg: Config):
     [numerics] module filters, DGE and scaling settings applied, and its optimizer storage with the [optim] fields
     that are set."""
     from lowbit.optim.precision import StatePrecision
-    from lowbit.recipes import get_recipe, with_dge, with_filters, with_scaling
+    from lowbit.numerics.recipes import get_recipe, with_dge, with_filters, with_scaling
 
     n = cfg.numerics
     recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,

@@ -33,11 +33,11 @@ from lowbit.distributed.zero import Zero1
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
 from lowbit.models.performer import redraw_features
-from lowbit.linear import LowPrecisionLinear
+from lowbit.numerics.linear import LowPrecisionLinear
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
-from lowbit.recipes import convert, covered_linears
-from lowbit.scaling import reports_held
+from lowbit.numerics.recipes import convert, covered_linears
+from lowbit.numerics.scaling import reports_held
 from lowbit.train import checkpoint as ckpt
 from lowbit.models.init import materialize
 from lowbit.train.compile import compile_model, eager

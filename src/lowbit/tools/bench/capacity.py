@@ -12,7 +12,7 @@ import gc
 
 import torch
 
-from lowbit.scaling import reports_held
+from lowbit.numerics.scaling import reports_held
 from lowbit.tools.bench.common import Report, Table, error_row, release, sync, time_ms, variants
 from lowbit.tools.bench.step import autocast, batch, build
 from lowbit.train.compile import compile_model

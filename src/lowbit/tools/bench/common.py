@@ -72,7 +72,7 @@ def metadata(device: torch.device, argv: list[str]) -> dict:
     ao = torchao_module()
     meta["torchao"] = getattr(ao, "__version__", "unknown") if ao else None
     if device.type == "cuda":
-        from lowbit import kernels
+        from lowbit.numerics import kernels
 
         meta["cuda"] = torch.version.cuda
         meta["lowbit_triton"] = kernels.usable(torch.zeros(1, device=device))  # whether eager casts run Triton
@@ -222,7 +222,7 @@ def variants(recipes: list[str], ao_recipes: list[str]) -> list[Variant]:
 
 def apply_variant(base: nn.Module, v: Variant) -> nn.Module:
     """A deep copy of `base` converted as `v` says (the base itself stays plain)."""
-    from lowbit.recipes import convert, get_recipe
+    from lowbit.numerics.recipes import convert, get_recipe
 
     m = copy.deepcopy(base)
     if v.impl == "lowbit":

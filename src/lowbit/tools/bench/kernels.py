@@ -68,9 +68,9 @@ def run_quantize(a, device: torch.device, report: Report) -> None:
     plain formula, each compiled unless --eager (and lowbit's eagerly too where that runs its Triton kernels),
     against the memory floor (read 2 bytes, write 1 per element; and reading x twice);
     a.quantize_steps iterations (--steps, else 50 on a GPU)."""
-    from lowbit import kernels
-    from lowbit.qtensor import quantize
-    from lowbit.scaling import Scaling
+    from lowbit.numerics import kernels
+    from lowbit.numerics.qtensor import quantize
+    from lowbit.numerics.scaling import Scaling
 
     t = report.table(Table("quantize", f"per-tensor E4M3 quantization, {a.tokens} x {a.dim} bf16",
                            [("variant", "variant", ""), ("ms", "ms (median)", ".4f"), ("gb_s", "GB/s", ".0f"),

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lowbit.scaling import reports_held
+from lowbit.numerics.scaling import reports_held
 from lowbit.tools.bench import profile
 from lowbit.tools.bench.common import (Report, Table, back_to_back_ms, error_row, release, sync, time_ms,
                                        torchao_convert, variants)
@@ -22,7 +22,7 @@ def build(args, v, device: torch.device, model: torch.nn.Module | None = None):
     the trainer's optimizer for it."""
     from lowbit.models.init import materialize
     from lowbit.models.llama import Llama
-    from lowbit.recipes import convert
+    from lowbit.numerics.recipes import convert
     from lowbit.tools.compare import split_entry
     from lowbit.train.config import load_config, resolve_recipe
     from lowbit.train.trainer import build_optimizer

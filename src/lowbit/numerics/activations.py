@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowbit.qtensor import quantize
-from lowbit.scaling import Scaling
+from lowbit.numerics.qtensor import quantize
+from lowbit.numerics.scaling import Scaling
 
 
 @dataclass(frozen=True)

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowbit.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
-from lowbit.gemm import scaled_matmul
-from lowbit.qtensor import QTensor, cast, quantize
-from lowbit.scaling import (OperandStates, Scaling, ScalingState, all_max, expand_groups, group_amax, report,
+from lowbit.numerics.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
+from lowbit.numerics.gemm import scaled_matmul
+from lowbit.numerics.qtensor import QTensor, cast, quantize
+from lowbit.numerics.scaling import (OperandStates, Scaling, ScalingState, all_max, expand_groups, group_amax, report,
                             scale_from_amax)
 
 OPERANDS = ("input", "weight", "grad_output")

@@ -9,12 +9,12 @@ from fnmatch import fnmatchcase
 
 from torch import nn
 
-from lowbit.activations import compress_saved_activations
+from lowbit.numerics.activations import compress_saved_activations
 from lowbit.errors import LowbitError
-from lowbit.fp4 import DGE, OCC, check_fp4_dims
-from lowbit.linear import LinearRecipe, LowPrecisionLinear
+from lowbit.numerics.fp4 import DGE, OCC, check_fp4_dims
+from lowbit.numerics.linear import LinearRecipe, LowPrecisionLinear
 from lowbit.optim.precision import StatePrecision
-from lowbit.scaling import Scaling
+from lowbit.numerics.scaling import Scaling
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Recipe:
     optim: StatePrecision = StatePrecision()  # storage of the covered weights and their optimizer states
     needs_grad_clip: bool = False  # the recipe is only stable with gradient clipping (train.grad_clip > 0)
     # SwiGLU's and the norms' inputs kept for backward in this format, a scale per token (COAT); None: as
-    # computed. Less activation memory, approximate gradients (lowbit.activations).
+    # computed. Less activation memory, approximate gradients (lowbit.numerics.activations).
     saved_activations: Scaling | None = None
 
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit import kernels
-from lowbit.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+from lowbit.numerics import kernels
+from lowbit.numerics.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

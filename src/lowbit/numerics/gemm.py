@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from lowbit.qtensor import QTensor
+from lowbit.numerics.qtensor import QTensor
 
 _warned: set = set()
 

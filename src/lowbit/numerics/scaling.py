@@ -33,10 +33,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from lowbit import kernels
+from lowbit.numerics import kernels
 from lowbit.backward_end import at_backward_end
 from lowbit.errors import LowbitError
-from lowbit.formats import get_format
+from lowbit.numerics.formats import get_format
 
 GRANULARITIES = ("tensor", "row", "column", "block", "mx")
 STRATEGIES = ("current", "delayed")
