@@ -33,7 +33,7 @@ from lowbit.errors import LowbitError
 from lowbit.numerics.formats import get_format
 from lowbit.models.llama import PRESETS, Llama, ModelArgs, swiglu_hidden
 from lowbit.optim.grad_scaling import AutoScale
-from lowbit.optim.precision import _pow2_scale
+from lowbit.optim.precision import pow2_scale
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 BUCKET = 1 << 25
@@ -130,7 +130,7 @@ class BaselineGradSync:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
         self.bytes_sent += self._ring_bytes(stats.numel(), 4)
         factor = {"pre": 1.0 / self.world, "post": 1.0, "auto": self.auto.mu}[self.scaling]
-        scale = _pow2_scale(stats[:-1], self.fmt.max, torch.ones_like(stats[:-1])) * factor
+        scale = pow2_scale(stats[:-1], self.fmt.max, torch.ones_like(stats[:-1])) * factor
         sizes = torch.tensor([v.numel() for v in values], device=scale.device)
         return torch.repeat_interleave(scale, sizes), bool(stats[-1] > 0)
 

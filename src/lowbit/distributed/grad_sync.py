@@ -37,7 +37,7 @@ import torch.distributed as dist
 from lowbit.errors import LowbitError
 from lowbit.numerics.formats import get_format
 from lowbit.optim.grad_scaling import AutoScale
-from lowbit.optim.precision import _pow2_scale
+from lowbit.optim.precision import pow2_scale
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
 BUCKET = 1 << 25  # elements per exchange (128 MiB of fp32): bounds the extra memory of the staging copies
@@ -253,7 +253,7 @@ class GradSync:
         dist.all_reduce(stats, op=dist.ReduceOp.MAX, group=self.group)
         self.bytes_sent += self._ring_bytes(stats.numel(), 4)
         factor = {"pre": 1.0 / self.world, "post": 1.0, "auto": self.auto.mu}[self.scaling]
-        scale = _pow2_scale(stats[:-1], self.fmt.max, torch.ones_like(stats[:-1])) * factor
+        scale = pow2_scale(stats[:-1], self.fmt.max, torch.ones_like(stats[:-1])) * factor
         return scale, stats[-1], _is_pow2(factor) and _is_pow2(self.world)
 
     def _sync_fp8(self, lay, srcs, outs, device) -> bool:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.numerics.linear import LowPrecisionLinear, _in_backward
+from lowbit.numerics.linear import LowPrecisionLinear, in_backward
 
 # What this process's tensor-parallel collectives send (a ring all-reduce sends 2(n-1)/n of its tensor, an all-gather
 # (n-1) chunks). Counted by the module hooks, outside the autograd Functions, the backward's collectives included,
@@ -45,7 +45,7 @@ def _gather_bytes(x: torch.Tensor, group, element_size: int | None = None) -> in
 
 
 def _backward_follows(x: torch.Tensor) -> bool:
-    return torch.is_grad_enabled() and x.requires_grad and not _in_backward()
+    return torch.is_grad_enabled() and x.requires_grad and not in_backward()
 
 
 def _all_reduce(x: torch.Tensor, group) -> None:

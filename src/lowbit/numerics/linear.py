@@ -42,7 +42,7 @@ class LinearRecipe:
     occ: OCC | None = None  # outlier clamping of the input, the clamped part compensated unquantized
 
 
-def _in_backward() -> bool:
+def in_backward() -> bool:
     """True while autograd runs a backward pass: a forward replayed by activation checkpointing then must not
     record its amaxes a second time. (Under torch.compile the check is skipped: it would break the graph.)"""
     if torch.compiler.is_compiling():
@@ -190,7 +190,7 @@ class LowPrecisionLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # not when activation checkpointing recomputes this forward: the original's backward reports its casts
-        update = self.training and torch.is_grad_enabled() and not _in_backward()
+        update = self.training and torch.is_grad_enabled() and not in_backward()
         r, st = self.recipe, self.scaling
         x2, idx, val = x.reshape(-1, x.shape[-1]), None, None
         if r.occ is not None and r.occ.alpha < 1:  # clamp outliers; straight-through for x, the residual is

@@ -36,7 +36,7 @@ from torch.distributed.tensor import DTensor
 from lowbit.backward_end import at_backward_end
 from lowbit.errors import LowbitError
 from lowbit.optim.graphs import Graphed, key_of
-from lowbit.optim.precision import KINDS, StatePrecision, _pow2_scale, decode, encode, stochastic_round, store
+from lowbit.optim.precision import KINDS, StatePrecision, decode, encode, pow2_scale, stochastic_round, store
 from lowbit.optim.scaled_weight import ScaledFP16Weight
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
@@ -232,7 +232,7 @@ def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = F
 def _new_scales(item: tuple, kinds, amax):
     """The scales the new amaxes give the scaled states (stacked in _scaled's order), or None."""
     scaled = _scaled(kinds, item[5], item[7], item[9])
-    return torch.stack([_pow2_scale(amax[i], KINDS[k][2], s) for i, (_, k, s) in enumerate(scaled)]) \
+    return torch.stack([pow2_scale(amax[i], KINDS[k][2], s) for i, (_, k, s) in enumerate(scaled)]) \
         if scaled else None
 
 

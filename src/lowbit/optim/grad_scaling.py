@@ -21,7 +21,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.numerics.formats import get_format
-from lowbit.optim.precision import _pow2_scale
+from lowbit.optim.precision import pow2_scale
 
 MODES = ("pre", "post", "auto")
 
@@ -70,7 +70,7 @@ def fp8_sum(parts: list[torch.Tensor], mode: str = "auto", fmt: str = "e4m3", mu
     n = len(parts)
     factor = {"pre": 1.0 / n, "post": 1.0, "auto": mu}[mode]
     amax = torch.stack([p.detach().abs().amax().float() for p in parts]).amax()
-    scale = _pow2_scale(amax, f.max, torch.ones((), device=amax.device))  # shared: the global minimum scale
+    scale = pow2_scale(amax, f.max, torch.ones((), device=amax.device))  # shared: the global minimum scale
 
     def cast(x):
         return x.clamp(-f.max, f.max).to(f.torch_dtype).float()

@@ -87,7 +87,7 @@ def fp32_default() -> StatePrecision:
     return StatePrecision()
 
 
-def _pow2_scale(amax: torch.Tensor, fmax: float, old: torch.Tensor) -> torch.Tensor:
+def pow2_scale(amax: torch.Tensor, fmax: float, old: torch.Tensor) -> torch.Tensor:
     """The largest power of two s with amax * s <= fmax; the old scale when amax is 0, NaN or Inf (1 if the old
     one is not a usable scale either)."""
     a = amax.float()
@@ -120,7 +120,7 @@ def encode(x: torch.Tensor, kind: str, scale: torch.Tensor, out: torch.Tensor | 
     """Store `x` as `kind` (into `out` if given); updates the per-tensor `scale` in place for scaled kinds (from
     `amax` if the caller has it). `rounding`: nearest, or stochastic (kinds below fp32). Returns the stored data."""
     if KINDS[kind][1]:
-        scale.copy_(_pow2_scale(x.abs().amax() if amax is None else amax, KINDS[kind][2], scale))
+        scale.copy_(pow2_scale(x.abs().amax() if amax is None else amax, KINDS[kind][2], scale))
     return store(x, kind, scale, out, rounding)
 
 

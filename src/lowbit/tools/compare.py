@@ -206,9 +206,9 @@ def configs(entries: dict, train_args: list[str], out: Path, devices: list[str] 
 
 
 def _flat_config(text: str) -> dict:
-    from lowbit.train.config import _flatten, tomllib
+    from lowbit.train.config import flatten_table, tomllib
 
-    flat = {k: v for k, v in _flatten(tomllib.loads(text)) if k not in CONTINUATION_KEYS}
+    flat = {k: v for k, v in flatten_table(tomllib.loads(text)) if k not in CONTINUATION_KEYS}
     if "run.device" in flat:  # another GPU may resume a run (--devices), not another kind of device (dtype auto)
         flat["run.device"] = _device_kind(flat["run.device"])
     return flat

@@ -242,11 +242,11 @@ def _set(cfg: Config, key: str, value: Any) -> None:
     setattr(section, parts[1], _coerce(key, value, types_[parts[1]]))
 
 
-def _flatten(table: dict, prefix: str = "") -> list[tuple[str, Any]]:
+def flatten_table(table: dict, prefix: str = "") -> list[tuple[str, Any]]:
     out = []
     for k, v in table.items():
         if isinstance(v, dict):
-            out += _flatten(v, f"{prefix}{k}.")
+            out += flatten_table(v, f"{prefix}{k}.")
         else:
             out.append((f"{prefix}{k}", v))
     return out
@@ -263,7 +263,7 @@ def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
             table = tomllib.loads(p.read_text())
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise LowbitError(f"config file {path}: invalid TOML ({e})") from None
-        for key, value in _flatten(table):
+        for key, value in flatten_table(table):
             _set(cfg, key, value)
     for key, value in parse_overrides(list(overrides)):
         _set(cfg, key, value)
