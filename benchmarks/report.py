@@ -36,8 +36,9 @@ except ImportError:  # run from a checkout without the package installed
 
 from lowbit.tools.bench.common import Table, meta_line  # noqa: E402
 
-# The columns each kind of table can show: (row key, header, format), as the bench's own tables define them
-# (src/lowbit/tools/bench/*.py), plus the row keys those tables keep in the JSON only (ms_min, host times...).
+# The columns of JSON written before bench recorded its tables' columns (it does now: those are used), as the
+# bench's own tables define them (src/lowbit/tools/bench/*.py), plus the row keys those tables keep in the JSON
+# only (ms_min, host times...), which a marker may name for any file.
 COLUMNS: dict[str, list[tuple[str, str, str]]] = {
     "step": [("variant", "variant", ""), ("ms", "ms/step (median)", ".1f"), ("ms_min", "min ms", ".1f"),
              ("tokens_per_s", "tokens/s", ",.0f"), ("mfu_pct", "MFU %", ".1f"), ("speedup_vs_bf16", "vs bf16", ".3f"),
@@ -114,18 +115,16 @@ def render(path: str, key: str, opts: str) -> list[str]:
         raise ReportError(f"{path}: no table {key!r} (it has {', '.join(doc.get('tables', {})) or 'none'})")
     t = doc["tables"][key]
     kind = key if key in COLUMNS else doc.get("what", key)
-    if t.get("columns"):  # a JSON that names its columns (as [key, header, format]) is shown as it says
-        columns = [tuple(c) for c in t["columns"]]
-    else:
-        known = {c[0]: c for c in COLUMNS.get(kind, [])}
-        if not known:
-            raise ReportError(f"{path} {key}: no columns known for tables of kind {kind!r}; name them in the marker")
-        wanted = cols.split(",") if cols else DEFAULT[kind]
-        missing = [c for c in wanted if c not in known]
-        if missing:
-            raise ReportError(f"{path} {key}: unknown column(s) {', '.join(missing)}; known: {', '.join(known)}")
-        first = COLUMNS[kind][0]
-        columns = [first] + [known[c] for c in wanted if c != first[0]]
+    spec = [tuple(c) for c in t["columns"]] if t.get("columns") else COLUMNS.get(kind, [])  # as bench wrote it
+    known = {c[0]: c for c in COLUMNS.get(kind, []) + spec}
+    if not known:
+        raise ReportError(f"{path} {key}: no columns known for tables of kind {kind!r}; name them in the marker")
+    wanted = cols.split(",") if cols else [c[0] for c in spec] if t.get("columns") else DEFAULT[kind]
+    missing = [c for c in wanted if c not in known]
+    if missing:
+        raise ReportError(f"{path} {key}: unknown column(s) {', '.join(missing)}; known: {', '.join(known)}")
+    first = spec[0]
+    columns = [first] + [known[c] for c in wanted if c != first[0]]
     table = Table(key, t["title"], columns, t["rows"], list(t.get("notes", [])))
     line = meta_line(doc["meta"])
     if doc["meta"].get("commit") or commit:

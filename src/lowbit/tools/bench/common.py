@@ -293,7 +293,8 @@ class Report:
         if not self.out:
             return
         doc = {"meta": self.meta, "what": self.what, "config": self.config, "complete": complete,
-               "tables": {t.name: {"title": t.title, "rows": t.rows, "notes": t.notes} for t in self.tables}}
+               "tables": {t.name: {"title": t.title, "columns": t.columns, "rows": t.rows, "notes": t.notes}
+                          for t in self.tables}}
         tmp = Path(self.out).with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1) + "\n")
         os.replace(tmp, self.out)
