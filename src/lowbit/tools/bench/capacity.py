@@ -9,6 +9,7 @@ predicts (linear in the batch), then its neighbours. Activation checkpointing is
 from __future__ import annotations
 
 import gc
+import time
 
 import torch
 
@@ -72,9 +73,10 @@ def run_capacity(a, device: torch.device, report: Report) -> None:
             model, opt = build(a.model_args, v, device)
             fwd = compile_model(model, a.compile_scope) if a.compile else model
             step = _step_fn(fwd, opt, device)
-            tried, peaks = [], {}
+            tried, seconds, peaks = [], [], {}
 
             def fits(b: int) -> bool:
+                t0 = time.perf_counter()
                 x, y = batch(b, a.seq, a.vocab, device)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(device)
@@ -92,12 +94,15 @@ def run_capacity(a, device: torch.device, report: Report) -> None:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                 tried.append(f"{b}{'' if ok else ' (oom)'}")
+                seconds.append(round(time.perf_counter() - t0, 1))  # where a capacity search's time goes
+                print(f"  {v.name}: batch {b} {'fits' if ok else 'out of memory'} ({seconds[-1]} s)", flush=True)
                 return ok
 
             # 97% of the GPU: the caching allocator's fragmentation and the CUDA context take the rest
             limit = 0.97 * torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
             best = largest_batch(fits, a.max_batch, (lambda: _linear_guess(peaks, limit)) if limit else None)
             row["tried"] = ", ".join(tried)
+            row["tried_s"] = seconds
             if not best:
                 row["error"] = "out of memory at batch 1"
             else:
