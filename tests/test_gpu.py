@@ -96,6 +96,41 @@ def test_compiled_optimizer_update_matches_eager_on_gpu(weights, master):
         assert (a - b).abs().max().item() <= 2 ** -7 * a.abs().max().item()  # at most a bf16 rounding apart
 
 
+def test_fp16_weights_train_compiled_by_block_as_eagerly_on_gpu():
+    """fp8lm-o2 with FP16 weights (ScaledFP16Weight) compiled per block: no graph break, the losses of eager."""
+    from torch._dynamo.utils import counters
+
+    from lowbit.numerics import convert, get_recipe
+    from lowbit.optim import LowbitAdamW, StatePrecision
+    from lowbit.train.compile import compile_model
+
+    prec = StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=768, vocab_size=512, max_seq_len=128)
+    x = torch.randint(0, 512, (4, 128), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    losses = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = Llama(args).cuda()
+        convert(model, get_recipe("fp8lm-o2"))
+        covered = [m.weight for n, m in model.named_modules() if type(m).__name__ == "LowPrecisionLinear"]
+        opt = LowbitAdamW([{"params": covered, "precision": prec}], lr=1e-3)
+        fwd = compile_model(model, "blocks") if compiled else model
+        counters.clear()
+        losses[compiled] = []
+        for _ in range(3):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fwd(x, x)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[compiled].append(loss.item())
+        if compiled:
+            assert not counters["graph_break"], dict(counters["graph_break"])
+        torch._dynamo.reset()
+    assert losses[True][0] == pytest.approx(losses[False][0], rel=1e-3), losses  # later steps: FP8 casts flip
+    assert losses[True] == pytest.approx(losses[False], rel=1e-2), losses
+
+
 @pytest.mark.parametrize("weights", ["bf16", "fp16"])
 def test_fp8lm_o2_trains_compiled_on_gpu(tmp_path, capsys, weights):
     """fp16 weights train eagerly; compiled, they are refused in one line (docs/numerics.md: open)."""

@@ -32,11 +32,12 @@ class ScaledFP16Weight(torch.Tensor):
 
     @staticmethod
     def __new__(cls, data: torch.Tensor, scale: torch.Tensor):
-        return torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=torch.bfloat16,
-                                                   device=data.device)
-
-    def __init__(self, data: torch.Tensor, scale: torch.Tensor):
-        self._data, self._scale = data, scale
+        # the inner tensors set here, not in __init__: torch.compile reads them (__tensor_flatten__) from the new
+        # object before any __init__ would run
+        t = torch.Tensor._make_wrapper_subclass(cls, data.shape, strides=data.stride(), dtype=torch.bfloat16,
+                                                device=data.device)
+        t._data, t._scale = data, scale
+        return t
 
     @classmethod
     def of(cls, w: torch.Tensor) -> ScaledFP16Weight:
