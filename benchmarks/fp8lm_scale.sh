@@ -30,7 +30,7 @@ case "${1:-check}" in
       -k "optimizer_update or update_with_a_master or cuda_graphs_replay" 2>&1 | tail -n 5 | tee "$OUT/pytest_gpu.txt"
     part optim_7b "${OPTIM7_S:-150}" optim --preset 7b --recipes fp8lm-o2,fp8lm-o3,nanotron-r2,fp4 --steps 10 --warmup 3
     part step_7b "${STEP_S:-280}" step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 \
-      --recipes bf16,fp8-tensorwise,fp8lm-o2 --torchao tensorwise
+      --recipes bf16,fp8-tensorwise,fp8lm-o2,fp8lm-o2+optim.weights=bf16 --torchao tensorwise
     part optim_1b "${OPTIM1_S:-70}" optim --preset 1b --recipes fp8lm-o2,nanotron-r2 --steps 10 --warmup 3 ;;
   13b)
     timeout "${TESTS_S:-60}" python3 -m pytest -q -x -p no:cacheprovider tests/test_gpu.py \

@@ -315,6 +315,9 @@ def test_largest_batch_search():
                 got = largest_batch(fits, cap, lambda: max(1, limit + miss) if len(tried) >= 2 else None)
                 assert got == min(limit, cap), (cap, limit, miss, tried)
                 assert len(tried) <= 2 + abs(miss) + 2
+    tried = []  # a prediction far too high (torchao's at 7b: 32 for 9) turns to bisection after two misses
+    assert largest_batch(lambda b: tried.append(b) or b <= 9, 32, lambda: 32 if len(tried) >= 2 else None) == 9
+    assert len(tried) <= 10, tried
 
 
 def test_linear_memory_guess():

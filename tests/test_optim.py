@@ -281,8 +281,8 @@ def _model_report(recipe_name, **optim):
 
 
 @pytest.mark.parametrize("recipe,optim,expect", [
-    ("fp8lm-o2", {}, 6.0),
-    ("fp8lm-o2", {"weights": "fp16"}, 6.0),  # the paper's O2 weights: FP16 with a scale, their own master
+    ("fp8lm-o2", {"weights": "bf16"}, 6.0),
+    ("fp8lm-o2", {}, 6.0),  # its default, the paper's O2 weights: FP16 with a scale, their own master
     ("fp8lm-o1", {}, 13.0),
     ("fp8lm-o3", {}, 8.0),
     ("nanotron-r2", {}, 10.0),
@@ -326,14 +326,14 @@ def test_fp8_sum_pre_post_and_auto_scaling():
         fp8_sum(parts, "sideways")
 
 
-@pytest.mark.parametrize("weights", ["", "fp16"])
+@pytest.mark.parametrize("weights", ["bf16", "fp16"])
 @pytest.mark.slow
 def test_resume_with_fp8_optimizer_states_is_bit_exact(tmp_path, capsys, weights):
     from conftest import SMALL, cli, losses
 
     full, part = tmp_path / "full", tmp_path / "part"
     args = [*SMALL, "--recipe", "fp8lm-o2", "--train.steps", "8", "--train.micro_batch_size", "2",
-            *(["--optim.weights", weights] if weights else [])]
+            "--optim.weights", weights]
     assert cli(capsys, "train", *args, "--run.dir", full)[0] == 0
     assert cli(capsys, "train", *args, "--train.stop_at", "4", "--run.dir", part)[0] == 0
     code, out, _ = cli(capsys, "train", *args, "--run.dir", part, "--run.resume")
@@ -343,7 +343,7 @@ def test_resume_with_fp8_optimizer_states_is_bit_exact(tmp_path, capsys, weights
 
     report = json.loads((full / "memory.json").read_text())
     assert report["covered"]["bytes_per_param"]["total"] == 6.0
-    if weights:  # the checkpoint holds FP16 data and its scale; what generate and export-hf read is the value
+    if weights == "fp16":  # the checkpoint holds FP16 data and its scale; what generate and export-hf read is the value
         from lowbit.train import checkpoint as ckpt
         from lowbit.tools.generate import load_trained
 

@@ -197,9 +197,6 @@ def train(cfg: Config) -> dict:
     say = print if lead else (lambda *a, **k: None)
     replicas = mesh.group("dp", "dp_shard", "cp")  # ranks whose gradients and losses are averaged
     fsdp = mesh.sizes["dp_shard"] > 1  # FSDP2 averages the gradients itself (in its reduce-scatter)
-    if precision.weights == "fp16" and t.compile and device.type == "cuda":  # see docs/numerics.md
-        raise LowbitError("optim.weights: fp16 weights do not run under train.compile on a GPU yet (torch.compile "
-                          "failed to trace them there); set train.compile false, or use bf16 weights")
     if recipe.linear is None and precision.weights != "fp32" and dtype == torch.float32:
         raise LowbitError(f"optim.weights: {precision.weights} weights in high-precision linears need autocast "
                           f"(train.dtype bf16)")

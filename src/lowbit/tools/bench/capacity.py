@@ -34,10 +34,12 @@ def _step_fn(fwd, opt, device):
 def largest_batch(fits, cap: int, predict=None) -> int:
     """The largest b in 1..cap with fits(b) (0 if none), fits being monotone. Without `predict`: doubling, then
     bisection. `predict()`: the size the memory measured so far says is the largest that fits (None while it
-    cannot tell), tried next, so that a 7b step costs about four tries, not eight."""
+    cannot tell), tried next, so that a 7b step costs about four tries, not eight; after two predicted sizes
+    that did not fit, bisection (a prediction far too high would otherwise step down one size a try)."""
     ok, oom = 0, cap + 1  # the largest size known to fit, the smallest known not to
+    misses = 0
     while oom - ok > 1:
-        guess = predict() if predict is not None else None
+        guess = predict() if predict is not None and misses < 2 else None
         if guess is not None:
             b = min(max(guess, ok + 1), oom - 1)
         else:
@@ -46,6 +48,7 @@ def largest_batch(fits, cap: int, predict=None) -> int:
             ok = b
         else:
             oom = b
+            misses += guess is not None
     return ok
 
 
