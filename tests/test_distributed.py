@@ -443,7 +443,7 @@ def test_pipeline_parallel_matches_single_process(single_untied, tmp_path, name,
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 @pytest.mark.slow
 def test_pipeline_with_delayed_scaling_matches_single_process(single_untied, tmp_path, schedule):
-    """Delayed scales move on once per step, after every micro-batch (scaling.reports_held): a pipeline, whose
+    """Delayed scales move on once per step, after every micro-batch (scaling_state.reports_held): a pipeline, whose
     schedule runs several forwards before their backwards, casts each micro-batch as one process does."""
     delayed = [*UNTIED, "--recipe", "fp8-delayed"]
     base_dir = tmp_path / "base"

@@ -9,7 +9,8 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.numerics.linear import LinearRecipe, LowPrecisionLinear
 from lowbit.numerics.qtensor import quantize
-from lowbit.numerics.scaling import OperandStates, Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+from lowbit.numerics.scaling import Scaling, expand_groups, group_amax, scale_from_amax
+from lowbit.numerics.scaling_state import OperandStates, ScalingState
 
 E4M3_MAX = 448.0
 
@@ -252,7 +253,7 @@ def test_held_reports_wait_for_the_outermost_block_then_are_recorded_in_order():
     in order, as if each pass had recorded its own (the trainer's step over micro-batches)."""
     import copy
 
-    from lowbit.numerics.scaling import reports_held
+    from lowbit.numerics.scaling_state import reports_held
 
     st = ScalingState(Scaling("e4m3", strategy="delayed", history=4))
     ref = copy.deepcopy(st)

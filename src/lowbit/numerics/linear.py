@@ -23,8 +23,8 @@ from torch import nn
 from lowbit.numerics.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
 from lowbit.numerics.gemm import scaled_matmul
 from lowbit.numerics.qtensor import QTensor, cast, quantize
-from lowbit.numerics.scaling import (OperandStates, Scaling, ScalingState, all_max, expand_groups, group_amax, report,
-                            scale_from_amax)
+from lowbit.numerics.scaling import Scaling, all_max, expand_groups, group_amax, scale_from_amax
+from lowbit.numerics.scaling_state import OperandStates, ScalingState, report
 
 OPERANDS = ("input", "weight", "grad_output")
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.numerics import kernels
-from lowbit.numerics.scaling import Scaling, ScalingState, expand_groups, group_amax, scale_from_amax
+from lowbit.numerics.scaling import Scaling, expand_groups, group_amax, scale_from_amax
+from lowbit.numerics.scaling_state import ScalingState
 
 
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)

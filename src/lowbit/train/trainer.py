@@ -37,7 +37,7 @@ from lowbit.numerics.linear import LowPrecisionLinear
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.optim.memory import format_report, memory_report
 from lowbit.numerics.recipes import convert, covered_linears
-from lowbit.numerics.scaling import reports_held
+from lowbit.numerics.scaling_state import reports_held
 from lowbit.train import checkpoint as ckpt
 from lowbit.models.init import materialize
 from lowbit.train.compile import compile_model, eager

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from lowbit.numerics.scaling import reports_held
+from lowbit.numerics.scaling_state import reports_held
 from lowbit.tools.bench.common import Report, Table, error_row, release, sync, time_ms, variants
 from lowbit.tools.bench.step import autocast, batch, build
 from lowbit.train.compile import compile_model

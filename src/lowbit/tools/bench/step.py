@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from lowbit.numerics.scaling import reports_held
+from lowbit.numerics.scaling_state import reports_held
 from lowbit.tools.bench import profile
 from lowbit.tools.bench.common import (Report, Table, back_to_back_ms, error_row, release, sync, time_ms,
                                        torchao_convert, variants)
