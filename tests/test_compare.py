@@ -208,7 +208,8 @@ def test_compare_reports_the_stuck_optimizer_moments(tmp_path):
 
 def test_a_run_dir_from_before_a_new_config_key_is_still_the_same_config():
     from lowbit.tools.compare import _flat_config, _same_config
-    from lowbit.train.config import load_config, to_toml
+    from lowbit.train.config import to_toml
+    from lowbit.train.plan import load_config
 
     now = _flat_config(to_toml(load_config(None, ["--train.lr=0.002"])))
     old = {k: v for k, v in now.items() if k != "optim.rounding"}  # written before optim.rounding existed

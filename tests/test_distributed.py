@@ -345,7 +345,7 @@ def test_zero1_matches_single_process_and_halves_optimizer_states(single, tmp_pa
     # rank 0 keeps the states of the tensors partition() gives it (whole tensors: here the embedding is 73% of
     # the model, so the split is 73/27, not 50/50)
     from lowbit.models.llama import Llama, resolve_model_args
-    from lowbit.train.config import load_config
+    from lowbit.train.plan import load_config
 
     cfg = load_config(None, [*SMALL, *STEPS])
     sizes = [p.numel() for p in Llama(resolve_model_args(cfg.model, 4096, 32)).parameters()]

@@ -91,7 +91,7 @@ def test_bad_toml_files(capsys, tmp_path):
 
 
 def test_shipped_configs_are_valid():
-    from lowbit.train.config import load_config
+    from lowbit.train.plan import load_config
 
     configs = sorted(Path(__file__).parent.parent.glob("configs/*.toml"))
     assert {p.stem for p in configs} >= {"tiny", "125m", "350m", "1b", "7b", "13b"}
@@ -268,7 +268,8 @@ def test_config_toml_round_trips_strings_with_control_characters():
     import tomllib
 
     from lowbit.errors import LowbitError
-    from lowbit.train.config import load_config, to_toml
+    from lowbit.train.config import to_toml
+    from lowbit.train.plan import load_config
 
     odd = 'runs/a\tb\nc"d\\e\x7f\u2028é\U000E0001\U0001F600'
     cfg = load_config(None, ["--run.dir", odd])
@@ -280,7 +281,7 @@ def test_config_toml_round_trips_strings_with_control_characters():
 def test_sdpa_backend_is_refused_under_context_parallelism(monkeypatch):
     import lowbit.distributed.mesh as mesh
     from lowbit.errors import LowbitError
-    from lowbit.train.config import load_config
+    from lowbit.train.plan import load_config
 
     monkeypatch.setattr(mesh, "world_size", lambda: 2)  # the layout is checked against the processes running
     cp = ["--parallel.cp", "2", "--data.seq_len", "64"]

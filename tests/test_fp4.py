@@ -43,8 +43,8 @@ def test_dge_k_of_1_trains_as_straight_through():
     from torch import nn
 
     from lowbit.numerics.recipes import convert, get_recipe, with_dge
-    from lowbit.train.config import load_config
-    from lowbit.train.config import resolve_recipe as recipe_of
+    from lowbit.train.plan import load_config
+    from lowbit.train.plan import resolve_recipe as recipe_of
 
     got = recipe_of(load_config(None, ["--recipe", "fp4", "--numerics.dge_k", "2", "--numerics.dge_clamp", "1.5"]))
     assert got.linear.dge == DGE(k=2.0, clamp=1.5)

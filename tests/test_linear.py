@@ -316,8 +316,8 @@ def test_scaling_knobs_reach_every_operand_and_change_the_scales():
     """numerics.scaling / history / interval / margin override the recipe's scaling of input, weight and output
     gradient; nanotron-r2 at interval 1 moves its input scale every step, at its own interval of 16 not before
     step 16 (the first update always sets one); a margin of 1 halves a current scale."""
-    from lowbit.train.config import load_config
-    from lowbit.train.config import resolve_recipe as recipe_of
+    from lowbit.train.plan import load_config
+    from lowbit.train.plan import resolve_recipe as recipe_of
 
     def run(*args, steps=3):
         recipe = recipe_of(load_config(None, ["--recipe", *args]))

@@ -264,8 +264,8 @@ def test_precision_errors_name_the_key():
 def _model_report(recipe_name, **optim):
     from lowbit.models.llama import Llama, resolve_model_args
     from lowbit.numerics.recipes import convert, get_recipe
-    from lowbit.train.config import load_config
-    from lowbit.train.config import optim_precision
+    from lowbit.train.plan import load_config
+    from lowbit.train.plan import optim_precision
     from lowbit.train.trainer import build_optimizer
 
     cfg = load_config(None, ["--recipe", recipe_name, *[f"--optim.{k}={v}" for k, v in optim.items()]])
@@ -599,7 +599,7 @@ def test_training_logs_optimizer_state_telemetry(tmp_path, capsys):
 def test_optim_cuda_graphs_setting_reaches_the_optimizer():
     from lowbit.models.llama import Llama, ModelArgs
     from lowbit.numerics.recipes import get_recipe
-    from lowbit.train.config import load_config, optim_precision
+    from lowbit.train.plan import load_config, optim_precision
     from lowbit.train.trainer import build_optimizer
 
     for value, want in (("false", False), ("true", True)):

@@ -86,7 +86,7 @@ def test_crash_while_writing_checkpoint_keeps_previous(tmp_path, capsys, monkeyp
 
     monkeypatch.setattr(ckpt, "_write_files", crash_at_step_8)
     with pytest.raises(KeyboardInterrupt):
-        from lowbit.train.config import load_config
+        from lowbit.train.plan import load_config
         from lowbit.train.trainer import train
 
         train(load_config(None, [*args, "--run.dir", str(run)]))
@@ -184,7 +184,7 @@ def test_training_knobs_change_the_run(tmp_path, capsys, knob):
 
 def test_weight_decay_only_on_matrices(tmp_path, capsys):
     from lowbit.numerics.recipes import get_recipe
-    from lowbit.train.config import load_config, optim_precision
+    from lowbit.train.plan import load_config, optim_precision
     from lowbit.train.trainer import build_optimizer
 
     cfg = load_config(None, ["--train.weight_decay", "0.3", "--train.lr", "0.1"])

@@ -26,12 +26,14 @@ commands:
 
 
 def _train(argv: list[str]) -> int:
-    from lowbit.train.config import help_text, load_config
-
     if "-h" in argv or "--help" in argv:
+        from lowbit.train.config import help_text
+
         print("usage: lowbit train [CONFIG.toml] [--section.key=value | --section.key value ...]\n")
         print(help_text())
         return 0
+    from lowbit.train.plan import load_config
+
     path = None
     if argv and not argv[0].startswith("--"):
         path, argv = argv[0], argv[1:]

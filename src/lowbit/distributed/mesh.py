@@ -1,6 +1,6 @@
 """The device mesh: pp × dp × dp_shard × cp × tp processes, launched by torchrun (NCCL on GPUs, gloo on CPUs).
 
-Every check that can fail is made before any collective (`check_layout`, from config validation), so a bad layout
+Every check that can fail is made before any collective (`check_layout`, from the run's plan), so a bad layout
 is a one-line error on every rank rather than a hang; collectives carry `parallel.timeout_s`.
 """
 

@@ -185,7 +185,7 @@ def _check_keys(overrides: list[str], devices: list[str], where: str) -> None:
 def configs(entries: dict, train_args: list[str], out: Path, devices: list[str] = ()) -> dict:
     """The config of each run: the user's, its variant's overrides on top, with the recipe and run dir set; all
     validated before any training."""
-    from lowbit.train.config import load_config
+    from lowbit.train.plan import load_config
 
     path, overrides = (train_args[0], train_args[1:]) if train_args and not train_args[0].startswith("--") \
         else (None, train_args)

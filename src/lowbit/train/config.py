@@ -1,4 +1,5 @@
-"""Run configuration: dataclasses <- TOML file <- `--section.key=value` overrides.
+"""The run configuration's schema: dataclasses <- TOML file <- `--section.key=value` overrides, each field coerced
+to its type and checked on its own (choices, ranges); the checks that combine sections are `lowbit.train.plan`'s.
 
 Every field has a default and a one-line help (the `help` metadata); `lowbit train --help` prints them all.
 Validation errors are `LowbitError`s that name the key.
@@ -252,8 +253,9 @@ def flatten_table(table: dict, prefix: str = "") -> list[tuple[str, Any]]:
     return out
 
 
-def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
-    """Defaults, then the TOML file, then `--a.b=c` / `--a.b c` overrides (already split into key, value)."""
+def read_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `--a.b=c` / `--a.b c` overrides (already split into key, value), each
+    field validated (`validate`). `lowbit.train.plan.load_config` checks the whole on top."""
     cfg = Config()
     if path:
         p = Path(path)
@@ -332,24 +334,9 @@ def get(cfg: Config, key: str):
     return getattr(getattr(cfg, section), name)
 
 
-def _check_keep(cfg: Config) -> None:
-    """numerics.keep, normalized (a config that differs only in spacing or repeats is the same config), against
-    the linears of the configured model: built on the meta device (no memory, no data: the vocabulary is a
-    stand-in), so a pattern naming nothing fails before any data is read or directory written."""
-    import torch
-
-    from lowbit.models.llama import Llama, resolve_model_args
-    from lowbit.numerics.recipes import check_keep, keep_patterns
-
-    keep = keep_patterns(cfg.numerics.keep)
-    cfg.numerics.keep = ",".join(keep)
-    if keep:
-        with torch.device("meta"):
-            model = Llama(resolve_model_args(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len))
-        check_keep(model, keep)
-
-
 def validate(cfg: Config) -> None:
+    """Each field on its own (choices, ranges), and the fields of one section together; what combines sections
+    (the recipe with the model, the data and the layout) is the run's plan (`lowbit.train.plan.check`)."""
     from lowbit.models.llama import PRESETS
     from lowbit.numerics.recipes import RECIPES
 
@@ -378,39 +365,6 @@ def validate(cfg: Config) -> None:
         raise LowbitError(f"train.stop_at ({t.stop_at}) is beyond train.steps ({t.steps})")
     if not cfg.run.dir:
         raise LowbitError("run.dir: must not be empty")
-    _check_keep(cfg)
-    recipe = resolve_recipe(cfg)  # raises naming the [numerics] or [optim] key it cannot apply
-    if recipe.needs_grad_clip and not t.grad_clip:
-        raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
-    if cfg.model.attention != "sdpa" and cfg.model.sdpa_backend != "auto":
-        raise LowbitError(f"model.sdpa_backend ({cfg.model.sdpa_backend}): model.attention is "
-                          f"{cfg.model.attention}, which runs no SDPA kernel")
-    # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
-    from lowbit.models.llama import resolve_model_args
-    args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
-    from lowbit.distributed.mesh import check_layout
-    check_layout(cfg, args, recipe.optim)
-
-
-def resolve_recipe(cfg: Config):
-    """The run's Recipe, resolved once for the trainer, bench and compare alike: the named one with the
-    [numerics] module filters, DGE and scaling settings applied, and its optimizer storage with the [optim] fields
-    that are set."""
-    from lowbit.optim.precision import StatePrecision
-    from lowbit.numerics.recipes import get_recipe, with_dge, with_filters, with_scaling
-
-    n = cfg.numerics
-    recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
-                          min_dim=n.min_dim, keep=n.keep)
-    recipe = with_scaling(with_dge(recipe, n.dge_k, n.dge_clamp), n.scaling, n.history, n.interval, n.margin)
-    fields = {f.name for f in dataclasses.fields(StatePrecision)}
-    over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v and k in fields}
-    return dataclasses.replace(recipe, optim=StatePrecision(**{**dataclasses.asdict(recipe.optim), **over}))
-
-
-def optim_precision(cfg: Config):
-    """The covered weights' StatePrecision (resolve_recipe's)."""
-    return resolve_recipe(cfg).optim
 
 
 def to_dict(cfg: Config) -> dict:

@@ -41,9 +41,10 @@ from lowbit.numerics.scaling_state import reports_held
 from lowbit.train import checkpoint as ckpt
 from lowbit.models.init import materialize
 from lowbit.train.compile import compile_model, eager
-from lowbit.train.config import Config, resolve_recipe, to_dict, to_toml
+from lowbit.train.config import Config, to_dict, to_toml
 from lowbit.train.metrics import (Metrics, check_tensorboard, gpu_peak_flops, plot_losses, progress_line,
                                   truncate_after, warn)
+from lowbit.train.plan import resolve_recipe
 
 # Model args that may differ on resume: how the same function is computed, not which.
 RESUMABLE_CHANGES = ("checkpointing", "init_std", "performer_chunk", "performer_redraw", "sdpa_backend")

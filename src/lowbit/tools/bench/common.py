@@ -172,7 +172,7 @@ def lowbit_recipes(names: str, baseline: bool = True, variants: tuple[str, ...] 
     a user error. `variants`: the settings an entry RECIPE+section.key=value (as in `lowbit compare`) may set, the
     trainer's config with those (`bench step`: STEP_SETTINGS; `bench optim`: optim.*); none: no variants."""
     from lowbit.tools.compare import split_entry
-    from lowbit.train.config import load_config
+    from lowbit.train.plan import load_config
 
     out = [n.strip() for n in names.split(",") if n.strip()]
     for n in out:

@@ -24,7 +24,7 @@ def build(args, v, device: torch.device, model: torch.nn.Module | None = None):
     from lowbit.models.llama import Llama
     from lowbit.numerics.recipes import convert
     from lowbit.tools.compare import split_entry
-    from lowbit.train.config import load_config, resolve_recipe
+    from lowbit.train.plan import load_config, resolve_recipe
     from lowbit.train.trainer import build_optimizer
 
     recipe_name, overrides = split_entry(v.recipe) if v.impl == "lowbit" else ("bf16", [])

@@ -1,0 +1,71 @@
+"""The run's plan: a config checked as a whole, once, before anything is built or read. `resolve_recipe` is the
+one place the recipe and its optimizer storage are resolved; `check` runs every check that combines sections
+(model, data, numerics, optim, parallel); `load_config` reads a config (`config.read_config`) and checks it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from lowbit.distributed.mesh import check_layout
+from lowbit.errors import LowbitError
+from lowbit.models.llama import Llama, resolve_model_args
+from lowbit.numerics.recipes import Recipe, check_keep, get_recipe, keep_patterns, with_dge, with_filters, with_scaling
+from lowbit.optim.precision import StatePrecision
+from lowbit.train.config import Config, read_config
+
+
+def load_config(path: str | None = None, overrides: list[str] = ()) -> Config:
+    """Defaults, then the TOML file, then `--a.b=c` / `--a.b c` overrides, each field validated
+    (`config.read_config`), then the whole checked (`check`): the config of a run, a compare or a bench."""
+    cfg = read_config(path, overrides)
+    check(cfg)
+    return cfg
+
+
+def check(cfg: Config) -> Recipe:
+    """Every check across sections, raising a LowbitError that names the keys; returns the resolved Recipe.
+    numerics.keep is normalized on the way (`_check_keep`)."""
+    _check_keep(cfg)
+    recipe = resolve_recipe(cfg)  # raises naming the [numerics] or [optim] key it cannot apply
+    if recipe.needs_grad_clip and not cfg.train.grad_clip:
+        raise LowbitError(f"train.grad_clip: recipe {cfg.recipe} needs gradient clipping (> 0)")
+    if cfg.model.attention != "sdpa" and cfg.model.sdpa_backend != "auto":
+        raise LowbitError(f"model.sdpa_backend ({cfg.model.sdpa_backend}): model.attention is "
+                          f"{cfg.model.attention}, which runs no SDPA kernel")
+    # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
+    args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
+    check_layout(cfg, args, recipe.optim)
+    return recipe
+
+
+def _check_keep(cfg: Config) -> None:
+    """numerics.keep, normalized (a config that differs only in spacing or repeats is the same config), against
+    the linears of the configured model: built on the meta device (no memory, no data: the vocabulary is a
+    stand-in), so a pattern naming nothing fails before any data is read or directory written."""
+    keep = keep_patterns(cfg.numerics.keep)
+    cfg.numerics.keep = ",".join(keep)
+    if keep:
+        with torch.device("meta"):
+            model = Llama(resolve_model_args(cfg.model, vocab_size=1, seq_len=cfg.data.seq_len))
+        check_keep(model, keep)
+
+
+def resolve_recipe(cfg: Config) -> Recipe:
+    """The run's Recipe, resolved once for the trainer, bench and compare alike: the named one with the
+    [numerics] module filters, DGE and scaling settings applied, and its optimizer storage with the [optim] fields
+    that are set."""
+    n = cfg.numerics
+    recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
+                          min_dim=n.min_dim, keep=n.keep)
+    recipe = with_scaling(with_dge(recipe, n.dge_k, n.dge_clamp), n.scaling, n.history, n.interval, n.margin)
+    fields = {f.name for f in dataclasses.fields(StatePrecision)}
+    over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v and k in fields}
+    return dataclasses.replace(recipe, optim=StatePrecision(**{**dataclasses.asdict(recipe.optim), **over}))
+
+
+def optim_precision(cfg: Config) -> StatePrecision:
+    """The covered weights' StatePrecision (resolve_recipe's)."""
+    return resolve_recipe(cfg).optim
