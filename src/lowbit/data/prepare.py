@@ -13,8 +13,6 @@ from typing import Iterable, Iterator
 import numpy as np
 from tokenizers import Tokenizer
 
-# cache.py and cli.py import prepare() lazily, so these re-exports (the names the trainer and CLI
-# expect here) create no import cycle.
 from lowbit.data.documents import list_files, read_documents
 from lowbit.data.shards import FORMAT, ShardWriter, token_dtype
 from lowbit.data.tokenizer import eos_id, load_tokenizer, tokenizer_hash, train_tokenizer
