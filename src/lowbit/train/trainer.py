@@ -21,15 +21,12 @@ import torch
 
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
 from lowbit.distributed import context_parallel, tensor_parallel
-from lowbit.distributed.context_parallel import apply_context_parallel, shard_positions
-from lowbit.distributed.fsdp import apply_fsdp
 from lowbit.distributed.fsdp_fp8 import precompute_amax
-from lowbit.distributed.grad_sync import GradSync
 from lowbit.distributed.mesh import init_mesh, lead_first, local_device, mean_over
 from lowbit.distributed.sharded_state import checkpoint_tensors
-from lowbit.distributed.tensor_parallel import apply_sequence_parallel, apply_tensor_parallel, sync_partial_grads
+from lowbit.distributed.parallelize import parallelize, parallelize_optimizer, pipeline_schedules
+from lowbit.distributed.tensor_parallel import sync_partial_grads
 from lowbit.distributed import pipeline
-from lowbit.distributed.zero import Zero1
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, ModelArgs, resolve_model_args
 from lowbit.models.performer import redraw_features
@@ -195,8 +192,6 @@ def train(cfg: Config) -> dict:
     mesh = init_mesh(cfg.parallel, device)
     lead = mesh.rank == 0
     say = print if lead else (lambda *a, **k: None)
-    replicas = mesh.group("dp", "dp_shard", "cp")  # ranks whose gradients and losses are averaged
-    fsdp = mesh.sizes["dp_shard"] > 1  # FSDP2 averages the gradients itself (in its reduce-scatter)
     if recipe.linear is None and precision.weights != "fp32" and dtype == torch.float32:
         raise LowbitError(f"optim.weights: {precision.weights} weights in high-precision linears need autocast "
                           f"(train.dtype bf16)")
@@ -251,27 +246,13 @@ def train(cfg: Config) -> dict:
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)  # before any split
     conversion = convert(model, recipe)
     model_keys = set(model.state_dict())  # the whole model's, before any split: what a checkpoint must hold
-    positions = None  # this rank's positions in the sequence, under context parallelism
-    if mesh.sizes["cp"] > 1:
-        layout = cfg.parallel.cp_layout
-        apply_context_parallel(model, mesh.group("cp"), cfg.data.seq_len, cfg.parallel.cp_impl, layout)
-        positions = shard_positions(cfg.data.seq_len, mesh.sizes["cp"], mesh.coords["cp"], layout).to(device)
-    tp_group = mesh.group("tp")
-    if tp_group is not None:
-        apply_tensor_parallel(model, tp_group)
-        if cfg.parallel.sequence_parallel:
-            apply_sequence_parallel(model, tp_group)
-    pp_group = mesh.group("pp")
-    stage = pipeline.split_model(model, mesh.sizes["pp"], mesh.coords["pp"]) if pp_group is not None else None
-    fp8_gathered: list[str] = []
-    if fsdp:
-        fp8_gathered = apply_fsdp(model, mesh, cfg.parallel.grad_sync, cfg.parallel.fsdp_fp8_gather)
-    grad_sync = GradSync(None if fsdp else replicas, cfg.parallel.grad_sync, cfg.parallel.grad_sync_format, cfg.parallel.grad_scaling)
+    par = parallelize(model, mesh, cfg.parallel, cfg.data.seq_len, device)
+    positions, stage, fp8_gathered, grad_sync = par.positions, par.stage, par.fp8_gathered, par.grad_sync
+    tp_group, replicas = par.tp_group, par.replicas
     lp_layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     optimizer = build_optimizer(model, recipe, precision, cfg)
-    optimizer.shard_group, optimizer.stage_group = tp_group, pp_group
-    optimizer.fsdp_group = mesh.group("dp_shard")
-    zero = Zero1(optimizer, replicas) if cfg.parallel.zero and replicas is not None else None
+    parallelize_optimizer(optimizer, par, mesh, cfg.parallel)
+    zero = par.zero
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(t.steps, t.warmup_steps, t.min_lr_ratio))
 
     def restore(path: Path, loaded) -> tuple[int, int]:
@@ -326,12 +307,7 @@ def train(cfg: Config) -> dict:
 
     micro = t.micro_batch_size or loader.local_batch  # per replica
     n_micro = loader.local_batch // micro
-    pipe = eval_pipe = None
-    if stage is not None:  # validation batches are single micro-batches: a schedule of its own
-        pipe = (pipeline.build_schedule(stage, mesh.coords["pp"], mesh.sizes["pp"], device, pp_group, n_micro,
-                                        cfg.parallel.pp_schedule), stage, n_micro)
-        eval_pipe = (pipeline.build_schedule(stage, mesh.coords["pp"], mesh.sizes["pp"], device, pp_group, 1,
-                                             "gpipe"), stage, 1)
+    pipe, eval_pipe = pipeline_schedules(par, mesh, device, n_micro, cfg.parallel.pp_schedule)
     tokens_per_step = t.batch_size * cfg.data.seq_len
     peak = gpu_peak_flops(device) if dtype == torch.bfloat16 else None
     flops_per_step = flops_per_token * tokens_per_step / mesh.world  # per process: MFU is per GPU
