@@ -82,12 +82,12 @@ def _stage_compute(module, inputs, n_micro: int, reps: int = 3) -> list[float]:
 def train(argv: list[str]) -> int:
     import torch
     import lowbit.train.checkpoint as ckpt
-    import lowbit.train.trainer as trainer
+    import lowbit.train.step as step
     from lowbit.cli import main
     from lowbit.distributed import grad_sync, pipeline
 
     grad_sync.GradSync.sync = _timed("grad_sync", grad_sync.GradSync.sync)
-    trainer.sync_partial_grads = _timed("sp_partial_grads", trainer.sync_partial_grads)
+    step.sync_partial_grads = _timed("sp_partial_grads", step.sync_partial_grads)
     run_orig = pipeline.run
 
     def run(schedule, module, x, y, train=True):

@@ -633,9 +633,9 @@ def _train_signalled(rank, world, run_dir, cache):
 
     os.environ["LOWBIT_CACHE"] = cache
     from lowbit.cli import main
-    from lowbit.train import trainer
+    from lowbit.train import step
 
-    calls, mean_over = [], trainer.mean_over
+    calls, mean_over = [], step.mean_over  # the step's loss all-reduce
 
     def signalled(*args, **kwargs):
         calls.append(1)
@@ -643,7 +643,7 @@ def _train_signalled(rank, world, run_dir, cache):
             os.kill(os.getpid(), signal.SIGTERM)
         return mean_over(*args, **kwargs)
 
-    trainer.mean_over = signalled
+    step.mean_over = signalled
     assert main(["train", *SMALL, *STEPS, "--train.steps", "6", "--run.dir", run_dir, "--parallel.dp", "2"]) == 0
     return rank
 

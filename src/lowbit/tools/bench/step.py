@@ -55,10 +55,8 @@ def autocast(device: torch.device):
     return torch.autocast("cpu", enabled=False)
 
 
-def run_step(a, device: torch.device, report: Report) -> None:
-    from lowbit.train.metrics import gpu_peak_flops
-
-    peak = gpu_peak_flops(device)
+def _tables(a, device: torch.device, report: Report) -> tuple[Table, Table | None]:
+    """The step table and, with --profile, the profile table."""
     mode = f"compiled ({a.compile_scope})" if a.compile else "eager"
     t = report.table(Table("step", f"training step `{a.preset}`, {a.batch} x {a.seq}, {mode}",
                            [("variant", "variant", ""), ("ms", "ms/step (median)", ".1f"),
@@ -70,6 +68,40 @@ def run_step(a, device: torch.device, report: Report) -> None:
                             ("build_s", "build s", ".1f"), ("first_step_s", "first step s", ".1f")]))
     prof = report.table(Table("profile", f"where the step's time goes (`{a.preset}`, {mode}; ms)",
                               profile.columns(device))) if a.profile else None
+    return t, prof
+
+
+def _relative(t: Table) -> None:
+    """Each row's speed against bf16's (alone and in a row) and its time against fp8-tensorwise's."""
+    ref = {r["variant"]: r["ms"] for r in t.rows if "ms" in r}
+    bf16_row = next((r for r in t.rows if r["variant"] == "bf16"), {})
+    for r in t.rows:
+        if "ms" in r:
+            if "bf16" in ref:
+                r["speedup_vs_bf16"] = ref["bf16"] / r["ms"]
+            if r.get("ms_in_a_row") and bf16_row.get("ms_in_a_row"):
+                r["speedup_in_a_row_vs_bf16"] = bf16_row["ms_in_a_row"] / r["ms_in_a_row"]
+            if "lowbit fp8-tensorwise" in ref:
+                r["vs_fp8_tensorwise"] = r["ms"] / ref["lowbit fp8-tensorwise"]
+
+
+def _notes(t: Table, prof: Table | None, peak: float | None) -> None:
+    """The tables' notes: what the profile measures, the MFU peak."""
+    if prof:
+        prof.notes.append("Phases: CUDA events between forward (with the loss), backward (with the gradient hooks) "
+                          "and clipping + optimizer step + zero_grad, medians over --steps. Kernels: one profiled "
+                          "step, kernel time by kind (lowbit.tools.bench.profile.KINDS); GPU idle: the timed step less "
+                          "the profiled step's kernel-busy time (the GPU waited for the host); the JSON lists the "
+                          "top kernels.")
+    if peak:
+        t.notes.append(f"MFU against {peak / 1e12:.0f} TFLOP/s dense BF16; FLOPs/token from Llama.flops_per_token.")
+
+
+def run_step(a, device: torch.device, report: Report) -> None:
+    from lowbit.train.metrics import gpu_peak_flops
+
+    peak = gpu_peak_flops(device)
+    t, prof = _tables(a, device, report)
     x, y = batch(a.batch, a.seq, a.vocab, device)
     for v in variants(a.recipe_list, a.torchao_list):
         row = {"variant": v.name}
@@ -142,22 +174,6 @@ def run_step(a, device: torch.device, report: Report) -> None:
         report.row(t, row)
         if profiling:
             report.row(prof, prow)
-    ref = {r["variant"]: r["ms"] for r in t.rows if "ms" in r}
-    bf16_row = next((r for r in t.rows if r["variant"] == "bf16"), {})
-    for r in t.rows:
-        if "ms" in r:
-            if "bf16" in ref:
-                r["speedup_vs_bf16"] = ref["bf16"] / r["ms"]
-            if r.get("ms_in_a_row") and bf16_row.get("ms_in_a_row"):
-                r["speedup_in_a_row_vs_bf16"] = bf16_row["ms_in_a_row"] / r["ms_in_a_row"]
-            if "lowbit fp8-tensorwise" in ref:
-                r["vs_fp8_tensorwise"] = r["ms"] / ref["lowbit fp8-tensorwise"]
-    if prof:
-        prof.notes.append("Phases: CUDA events between forward (with the loss), backward (with the gradient hooks) "
-                          "and clipping + optimizer step + zero_grad, medians over --steps. Kernels: one profiled "
-                          "step, kernel time by kind (lowbit.tools.bench.profile.KINDS); GPU idle: the timed step less "
-                          "the profiled step's kernel-busy time (the GPU waited for the host); the JSON lists the "
-                          "top kernels.")
-    if peak:
-        t.notes.append(f"MFU against {peak / 1e12:.0f} TFLOP/s dense BF16; FLOPs/token from Llama.flops_per_token.")
+    _relative(t)
+    _notes(t, prof, peak)
     report.save(complete=False)
