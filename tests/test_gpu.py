@@ -396,3 +396,56 @@ def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype, 
         assert same(q.data, ref.data) and torch.equal(q.scale_inv.cpu(), ref.scale_inv)
     monkeypatch.setattr(kernels, "ENABLED", False)  # LOWBIT_TRITON=0
     assert not kernels.usable(xg)
+
+
+@pytest.mark.parametrize("weights,master,grads,m,v", [
+    ("fp16", "none", "e4m3", "e4m3", "fp16"),  # fp8lm-o2
+    ("bf16", "none", "e4m3", "e4m3", "fp16"),  # fp8lm-o2 with bf16 weights
+    ("bf16", "fp16", "e4m3", "e4m3", "fp16"),  # fp8lm-o3
+    ("fp32", "none", "e4m3", "e4m3", "fp16"),  # fp4's optimizer
+    ("fp32", "none", "e5m2", "bf16", "e5m2"),
+    ("bf16", "fp32", "bf16", "fp32", "e4m3"),
+])
+def test_triton_update_writes_what_the_compiled_update_writes(weights, master, grads, m, v, monkeypatch):
+    """The Triton update (optim/update_kernel.py) against the compiled torch passes, one step from the same
+    states: the same scales, and every stored value the same or its neighbour in its format (the two differ only
+    in how fp32 products are rounded and fused)."""
+    from lowbit.optim import LowbitAdamW, StatePrecision, update_kernel
+
+    prec = StatePrecision(weights=weights, master=master, grads=grads, exp_avg=m, exp_avg_sq=v)
+    calls = []
+    real = update_kernel.update
+    monkeypatch.setattr(update_kernel, "update", lambda *a: calls.append(1) or real(*a))
+
+    def stepped(triton_on: bool):
+        monkeypatch.setattr(update_kernel, "ENABLED", triton_on)
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in ((1024, 512), (512, 1024))]
+        opt = LowbitAdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, precision=prec, compile=True,
+                          cuda_graphs=False)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(3):  # the last step alone on the path under test
+            monkeypatch.setattr(update_kernel, "ENABLED", triton_on and step == 2)
+            sum((p.float() * torch.randn(p.shape, device="cuda", generator=g)).sum() for p in params).backward()
+            opt.step()
+            opt.zero_grad()
+        out = []
+        for p in params:
+            st = opt.state[p]
+            out += [p._data if weights == "fp16" else p.detach(), st["exp_avg"], st["exp_avg_sq"]]
+            out += [st[k] for k in ("master",) if k in st]
+            out += [st[k].clone() for k in ("exp_avg_scale", "exp_avg_sq_scale", "master_scale", "step") if k in st]
+            out += [p._scale.clone()] if weights == "fp16" else []
+        return out
+
+    compiled = stepped(False)
+    assert not calls
+    fused = stepped(True)
+    assert calls
+    for a, b in zip(compiled, fused):
+        if a.dim() == 0:
+            assert torch.equal(a, b), (a, b)
+            continue
+        ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[a.element_size()]
+        apart = (a.view(ints).int() - b.view(ints).int()).abs()
+        assert apart.max().item() <= 1 and (apart > 0).float().mean().item() < 0.02, (a.dtype, apart.float().mean())

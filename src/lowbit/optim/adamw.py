@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from lowbit.backward_end import at_backward_end
 from lowbit.errors import LowbitError
+from lowbit.optim import update_kernel
 from lowbit.optim.graphs import Graphed, key_of
 from lowbit.optim.precision import KINDS, StatePrecision, decode, encode, pow2_scale, stochastic_round, store
 from lowbit.optim.scaled_weight import ScaledFP16Weight
@@ -495,7 +496,8 @@ class LowbitAdamW(torch.optim.Optimizer):
         if key not in self._compiled:
             static = lambda f: _with_recompile_limit(torch.compile(f, dynamic=False))  # noqa: E731
             if fn is _update_all and _passes_apart(device):  # static shapes (see _chunks), the passes in two graphs
-                self._compiled[key] = _update_compiled(static(_amaxes_all), static(_write_all))
+                compiled = _update_compiled(static(_amaxes_all), static(_write_all))
+                self._compiled[key] = update_kernel.with_fallback(compiled)  # Triton's passes where they apply
             elif fn is _accumulate_all and _passes_apart(device):  # likewise, runs of one shape (see _take_grad)
                 self._compiled[key] = _accumulate_compiled(static(_sum_amaxes), static(_store_sums))
             else:  # the stored norms (reductions alone, in chunks of one shape); on a CPU, whose C++ kernels have no

@@ -1,0 +1,197 @@
+"""LowbitAdamW's update on a GPU as two Triton kernels per tensor: MS-AMP's two stages, each one pass over memory.
+
+Pass one reads the stored gradient, moments and (where its storage is scaled) the weights, computes the new
+states in fp32 and reduces their amaxes into a small buffer by atomic max: no state is written, and the unscaled
+weights are not read. Pass two computes the same states again, takes each scaled state's new power-of-two scale
+from its amax (precision.pow2_scale, done on the float's bits, so exactly) and writes the states once; it walks the
+tensor from its end, where pass one read last, so what L2 still holds is read from there. The scales and step
+counters of a chunk of tensors are then written by two multi-tensor ops.
+
+Written here rather than left to torch.compile: inductor splits the amax reductions into two kernels and its
+elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at about 45% of HBM bandwidth on the bytes they
+move. The math is adamw._fresh's, in the same order of operations with correctly rounded division and square root;
+tests/test_gpu.py compares the states it writes with the eager update's. Nearest rounding only: stochastic
+rounding, non-contiguous tensors and CPUs keep the torch formulas (`supported`).
+
+Opt-in for now (LOWBIT_TRITON_UPDATE=1; LOWBIT_TRITON=0 still turns every kernel off): its fp32 math was checked
+against the eager update in Triton's interpreter only; the GPU test (tests/test_gpu.py
+test_triton_update_writes_what_the_compiled_update_writes) and `lowbit bench optim` have not run on it yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from lowbit.numerics.kernels import ENABLED as KERNELS, triton
+from lowbit.optim.precision import KINDS
+
+ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "0") == "1"
+BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program (pass one), warps per program
+
+if triton is not None:
+    import triton.language as tl
+
+    @triton.jit
+    def _load(ptr, offs, mask, scale, SCALED: tl.constexpr):
+        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        if SCALED:
+            x = tl.math.div_rn(x, scale)
+        return x
+
+    @triton.jit
+    def _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, gs, ms, vs, ws, lr, wd, bc1, bc2, w1, beta2, w2, eps,
+               G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr):
+        """adamw._fresh: the new moments and weights in fp32 (lerp with weight < 0.5 as torch computes it)."""
+        g = _load(g_ptr, offs, mask, gs, G_SCALED)
+        m = _load(m_ptr, offs, mask, ms, M_SCALED)
+        m = m + w1 * (g - m)
+        v = _load(v_ptr, offs, mask, vs, V_SCALED) * beta2
+        v = v + (w2 * g) * g
+        w = _load(w_ptr, offs, mask, ws, W_SCALED) * (1.0 - lr * wd)
+        denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps
+        w = w - tl.math.div_rn(tl.math.div_rn(lr, bc1) * m, denom)
+        return m, v, w
+
+    @triton.jit
+    def _abs(x, mask):
+        return tl.where(mask, tl.where(x != x, float("inf"), tl.abs(x)), 0.0)  # NaN: a bad amax, as torch's
+
+    @triton.jit
+    def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n,
+                     wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+                     V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        gs, ms, vs, ws = tl.load(gs_ptr), tl.load(ms_ptr), tl.load(vs_ptr), tl.load(ws_ptr)
+        lr = tl.load(lr_ptr)
+        bc1, bc2 = tl.load(buf_ptr + 3), tl.load(buf_ptr + 7)  # adamw._bias, by torch
+        am = tl.zeros([BLOCK], dtype=tl.float32)
+        av = tl.zeros([BLOCK], dtype=tl.float32)
+        aw = tl.zeros([BLOCK], dtype=tl.float32)
+        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+        for i in range(ITERS):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, gs, ms, vs, ws, lr, wd, bc1, bc2, w1, beta2,
+                             w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
+            am = tl.maximum(am, _abs(m, mask))
+            av = tl.maximum(av, _abs(v, mask))
+            if W_SCALED:
+                aw = tl.maximum(aw, _abs(w, mask))
+        tl.atomic_max(buf_ptr, tl.max(am, axis=0))
+        tl.atomic_max(buf_ptr + 1, tl.max(av, axis=0))
+        if W_SCALED:
+            tl.atomic_max(buf_ptr + 2, tl.max(aw, axis=0))
+
+    @triton.jit
+    def _pow2(amax, old, FMAX: tl.constexpr):
+        """precision.pow2_scale: the largest power of two s with amax * s <= FMAX, floor(log2) read off the
+        exponent bits of FMAX / amax; the old scale (or 1) when amax is 0, Inf or NaN."""
+        old = tl.where((old > 0) & (old < float("inf")), old, 1.0)
+        good = (amax > 0) & (amax < float("inf"))
+        safe = tl.where(good, amax, 1.0)
+        q = tl.math.div_rn(safe * 0.0 + FMAX, safe)
+        k = ((q.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        k = tl.minimum(tl.maximum(k, -126), 126)
+        s = ((k + 127) << 23).to(tl.float32, bitcast=True)
+        s = tl.where(safe * s > FMAX, s * 0.5, s)
+        return tl.where(good, s, old)
+
+    @triton.jit
+    def _store(ptr, offs, mask, x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
+        if SCALED:
+            x = x * scale
+            x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+    @triton.jit
+    def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr,
+                      buf_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
+                      W_MAX: tl.constexpr, WRITE_P: tl.constexpr, BLOCK: tl.constexpr):
+        gs, ms, vs, ws = tl.load(gs_ptr), tl.load(ms_ptr), tl.load(vs_ptr), tl.load(ws_ptr)
+        lr = tl.load(lr_ptr)
+        bc1, bc2 = tl.load(buf_ptr + 3), tl.load(buf_ptr + 7)  # adamw._bias, by torch
+        new_m, new_v, new_w = ms, vs, ws
+        if M_SCALED:
+            new_m = _pow2(tl.load(buf_ptr), ms, M_MAX)
+        if V_SCALED:
+            new_v = _pow2(tl.load(buf_ptr + 1), vs, V_MAX)
+        if W_SCALED:
+            new_w = _pow2(tl.load(buf_ptr + 2), ws, W_MAX)
+        pid = tl.num_programs(0) - 1 - tl.program_id(0)  # from the end: pass one's last reads are in L2
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, gs, ms, vs, ws, lr, wd, bc1, bc2, w1, beta2, w2,
+                         eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
+        _store(m_ptr, offs, mask, m, new_m, M_SCALED, M_MAX)
+        _store(v_ptr, offs, mask, v, new_v, V_SCALED, V_MAX)
+        _store(w_ptr, offs, mask, w, new_w, W_SCALED, W_MAX)
+        if WRITE_P:  # a separate master: the weights are written from it, rounded to nearest
+            _store(p_ptr, offs, mask, w, 1.0, False, 1.0)
+        if tl.program_id(0) == 0:
+            tl.store(buf_ptr + 4, new_m)
+            tl.store(buf_ptr + 5, new_v)
+            tl.store(buf_ptr + 6, new_w)
+
+
+def _scaled(kind: str) -> bool:
+    return kind != "none" and KINDS[kind][1]
+
+
+def supported(items: list[tuple], kinds) -> bool:
+    """Whether the kernels run this chunk: CUDA with Triton, nearest rounding, every tensor contiguous, the
+    gradient and states of one size (a 0-dim master or weight is a placeholder)."""
+    if not ENABLED or triton is None or kinds[3] != "nearest":
+        return False
+    for p, g, _, _, m, _, v, _, master, _, *_ in items:
+        full = [t for t in (p, g, m, v, master) if t.dim()]
+        if not g.is_cuda or any(not t.is_contiguous() or t.numel() != g.numel() for t in full):
+            return False
+    return True
+
+
+def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps: float, kinds) -> None:
+    """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place."""
+    k_m, k_v, k_master, _, own = kinds
+    from_master = k_master != "none"
+    flags = dict(M_SCALED=_scaled(k_m), V_SCALED=_scaled(k_v), W_SCALED=_scaled(k_master))
+    maxes = dict(M_MAX=KINDS[k_m][2], V_MAX=KINDS[k_v][2], W_MAX=KINDS[k_master][2] if from_master else 1.0)
+    buf = torch.zeros(len(items), 8, device=lr.device)
+    coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
+    t = torch.stack([item[10] for item in items]) + 1  # the bias corrections as adamw._bias computes them
+    buf[:, 3], buf[:, 7] = 1 - beta1 ** t, torch.sqrt(1 - beta2 ** t)
+    scales, news, steps = [], [], []
+    with torch.cuda.device(lr.device) if lr.is_cuda else contextlib.nullcontext():  # Triton's interpreter: CPU
+        for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _) in enumerate(items):
+            n = g.numel()
+            w = master if from_master else p
+            args = (g, m, v, w)
+            scale_args = (gs, ms, vs, ws)
+            consts = dict(G_SCALED=_scaled(g_kind), **flags)
+            if any(flags.values()):
+                _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, *scale_args, lr, buf[i], n, wd, **coef,
+                                                               **consts, BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS)
+            _write_kernel[(triton.cdiv(n, BLOCK),)](*args, p, *scale_args, lr, buf[i], n, wd, **coef,
+                                                    **consts, **maxes, WRITE_P=from_master and not own, BLOCK=BLOCK,
+                                                    num_warps=WARPS)
+            for j, (name, s) in enumerate((("m", ms), ("v", vs), ("w", ws))):
+                if flags[f"{name.upper()}_SCALED"]:
+                    scales.append(s)
+                    news.append(buf[i, 4 + j])
+            steps.append(step)
+    if scales:
+        torch._foreach_copy_(scales, news)
+    torch._foreach_add_(steps, 1)
+
+
+def with_fallback(fallback):
+    """The update of adamw._fn: the kernels where `supported`, else `fallback` (the compiled passes)."""
+    def call(items, lr, beta1, beta2, eps, kinds, span=None):
+        if supported(items, kinds):
+            update(items, lr, beta1, beta2, eps, kinds)
+        else:
+            fallback(items, lr, beta1, beta2, eps, kinds, span)
+    return call
+
