@@ -325,3 +325,15 @@ def test_linear_memory_guess():
 
     assert _linear_guess({1: 10.0}, 100.0) is None
     assert _linear_guess({1: 10.0, 2: 17.0, 4: 31.0}, 100.0) == 13  # 3 + 7 b <= 100
+
+
+def test_bench_optim_update_paths(tmp_path, capsys):
+    """--update compiled times the torch passes; the Triton kernels need a GPU, refused up front on a CPU."""
+    out = tmp_path / "o.json"
+    code, _, _ = cli(capsys, "bench", "optim", *FAST, "--shape", "32x16", "--recipes", "fp8lm-o2", "--update",
+                     "compiled", "--out", out)
+    assert code == 0
+    assert {r["variant"] for r in json.loads(out.read_text())["tables"]["optim"]["rows"]} == {"bf16",
+                                                                                          "lowbit fp8lm-o2"}
+    code, _, err = cli(capsys, "bench", "optim", *FAST, "--shape", "32x16", "--update", "both", "--out", out)
+    assert code == 2 and "needs a GPU with Triton" in err

@@ -186,6 +186,22 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
     torch._foreach_add_(steps, 1)
 
 
+def available() -> bool:
+    """Whether the kernels can run here at all (Triton importable, lowbit's kernels not turned off)."""
+    return KERNELS and triton is not None
+
+
+@contextlib.contextmanager
+def forced(on: bool):
+    """The kernels on or off inside the block, whatever LOWBIT_TRITON_UPDATE says (`lowbit bench optim --update`)."""
+    global ENABLED
+    old, ENABLED = ENABLED, on and available()
+    try:
+        yield
+    finally:
+        ENABLED = old
+
+
 def with_fallback(fallback):
     """The update of adamw._fn: the kernels where `supported`, else `fallback` (the compiled passes)."""
     def call(items, lr, beta1, beta2, eps, kinds, span=None):

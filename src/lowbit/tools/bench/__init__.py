@@ -84,6 +84,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
             _preset_shape(s, vocab=what != "block")
         if what == "optim":
             s.add_argument("--shape", default="", help="one weight OUTxIN (e.g. 4096x11008) instead of a preset")
+            s.add_argument("--update", choices=("default", "compiled", "triton", "both"), default="default",
+                           help="LowbitAdamW's update: as LOWBIT_TRITON_UPDATE says (default), the compiled passes, "
+                                "the Triton kernels (a GPU), or each recipe timed with both in one run")
         if what in ("step", "memory"):
             s.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                            help="with --compile: each block and the head compiled on its own (blocks, the trainer's "
@@ -130,6 +133,10 @@ def _resolve(a: argparse.Namespace, device) -> None:
         raise LowbitError("bench: --warmup must be 0 or more")
     if a.what == "optim":
         a.shape = _shape(a.shape)
+        from lowbit.optim import update_kernel
+
+        if a.update in ("triton", "both") and not (gpu and update_kernel.available()):
+            raise LowbitError(f"bench: --update {a.update} needs a GPU with Triton (LOWBIT_TRITON not 0)")
     if a.what in ("block", "step", "memory", "optim"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
         a.model_args = preset_args(a.preset, a.seq, getattr(a, "vocab", 32000))
     if a.what != "gemm":

@@ -73,15 +73,18 @@ def metadata(device: torch.device, argv: list[str]) -> dict:
     meta["torchao"] = getattr(ao, "__version__", "unknown") if ao else None
     if device.type == "cuda":
         from lowbit.numerics import kernels
+        from lowbit.optim import update_kernel
 
         meta["cuda"] = torch.version.cuda
         meta["lowbit_triton"] = kernels.usable(torch.zeros(1, device=device))  # whether eager casts run Triton
+        meta["triton_update"] = update_kernel.ENABLED  # whether LowbitAdamW's update runs its Triton kernels
     return meta
 
 
 def meta_line(meta: dict) -> str:
     ao = f" | torchao {meta['torchao']}" if meta.get("torchao") else ""
-    return f"{meta['device']} | torch {meta['torch']}{ao} | {meta['date']} | `{meta['command']}`"
+    upd = " | Triton optimizer update" if meta.get("triton_update") else ""
+    return f"{meta['device']} | torch {meta['torch']}{ao}{upd} | {meta['date']} | `{meta['command']}`"
 
 
 def sync(device: torch.device) -> None:

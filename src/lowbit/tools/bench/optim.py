@@ -7,10 +7,12 @@ recipe's optimizer for the weights it does not cover, and torchao's too."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
 
+from lowbit.optim import update_kernel
 from lowbit.optim.precision import KINDS, StatePrecision
 from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, Report, Table, device_name, error_row, release, \
     time_ms, variants
@@ -51,6 +53,15 @@ def _fill_grads(opt) -> None:
                 p.grad = grad
 
 
+def _paths(vs, update: str):
+    """(variant, update path) pairs: the bf16 row (fused fp32 AdamW) once, each lowbit recipe per path asked for;
+    path None keeps LOWBIT_TRITON_UPDATE's choice."""
+    names = {"default": [None], "compiled": ["compiled"], "triton": ["Triton"], "both": ["compiled", "Triton"]}
+    for v in vs:
+        for path in [None] if v.impl == "bf16" else names[update]:
+            yield v, path
+
+
 def run_optim(a, device: torch.device, report: Report) -> None:
     what = f"one {a.shape[0]}x{a.shape[1]} weight" if a.shape else f"`{a.preset}`'s parameters"
     mode = {True: "compiled", False: "eager", None: "compiled on a GPU and for large CPU tensors"}[a.compile]
@@ -62,8 +73,8 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                             ("first_step_s", "first step s", ".1f")]))
     hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in device_name(device)), None) \
         if device.type == "cuda" else None
-    for v in variants(a.recipe_list, []):
-        row = {"variant": v.name}
+    for v, path in _paths(variants(a.recipe_list, []), a.update):
+        row = {"variant": v.name + (f" ({path})" if path and a.update == "both" else "")}
         model = opt = None
         try:
             model, opt = _build(a, v, device)
@@ -76,10 +87,11 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                 moved += n * update_bytes(opt.precision_of(group))
                 total += n
                 covered += n if group.get("covered") else 0
-            t0 = time.perf_counter()
-            opt.step()
-            row["first_step_s"] = time.perf_counter() - t0
-            row.update(time_ms(opt.step, device, a.steps, a.warmup))
+            with update_kernel.forced(path == "Triton") if path else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                opt.step()
+                row["first_step_s"] = time.perf_counter() - t0
+                row.update(time_ms(opt.step, device, a.steps, a.warmup))
             row.update(params_m=total / 1e6, covered_pct=100 * covered / total, bytes_per_param=moved / total,
                        gb_per_s=moved / (row["ms"] / 1e3) / 1e9)
             if hbm:
@@ -98,5 +110,6 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                    "for the parameters it does not cover, and torchao's). bytes/param moved: what the update must "
                    "read and write at the recipe's storage, averaged over covered and fp32 parameters"
                    + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
-                   + ". The lowbit update reads its inputs twice (amaxes, then the writes).")
+                   + ". The lowbit update reads its inputs twice (amaxes, then the writes); (compiled): its two "
+                   "passes by torch.compile, (Triton): optim/update_kernel.py's two kernels.")
     report.save(complete=False)
