@@ -409,7 +409,7 @@ def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype, 
 def test_triton_update_writes_what_the_compiled_update_writes(weights, master, grads, m, v, monkeypatch):
     """The Triton update (optim/update_kernel.py) against the compiled torch passes, one step from the same
     states: the same scales, and every stored value the same or its neighbour in its format (the two differ only
-    in how fp32 products are rounded and fused)."""
+    in how fp32 products are rounded and fused), or apart by less than an fp32 rounding of the terms."""
     from lowbit.optim import LowbitAdamW, StatePrecision, update_kernel
 
     prec = StatePrecision(weights=weights, master=master, grads=grads, exp_avg=m, exp_avg_sq=v)
@@ -429,23 +429,33 @@ def test_triton_update_writes_what_the_compiled_update_writes(weights, master, g
             sum((p.float() * torch.randn(p.shape, device="cuda", generator=g)).sum() for p in params).backward()
             opt.step()
             opt.zero_grad()
-        out = []
-        for p in params:
+        out = {}
+        for i, p in enumerate(params):
             st = opt.state[p]
-            out += [p._data if weights == "fp16" else p.detach(), st["exp_avg"], st["exp_avg_sq"]]
-            out += [st[k] for k in ("master",) if k in st]
-            out += [st[k].clone() for k in ("exp_avg_scale", "exp_avg_sq_scale", "master_scale", "step") if k in st]
-            out += [p._scale.clone()] if weights == "fp16" else []
+            out[f"{i}.weights"] = p._data if weights == "fp16" else p.detach()
+            out |= {f"{i}.{k}": st[k] for k in ("exp_avg", "exp_avg_sq", "master") if k in st}
+            out |= {f"{i}.{k}": st[k].clone() for k in ("exp_avg_scale", "exp_avg_sq_scale", "master_scale", "step")
+                    if k in st}
+            out |= {f"{i}.weight_scale": p._scale.clone()} if weights == "fp16" else {}
         return out
 
     compiled = stepped(False)
     assert not calls
     fused = stepped(True)
     assert calls
-    for a, b in zip(compiled, fused):
+    for name, a in compiled.items():
+        b = fused[name]
         if a.dim() == 0:
-            assert torch.equal(a, b), (a, b)
+            assert torch.equal(a, b), (name, a, b)
             continue
         ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[a.element_size()]
         apart = (a.view(ints).int() - b.view(ints).int()).abs()
-        assert apart.max().item() <= 1 and (apart > 0).float().mean().item() < 0.02, (a.dtype, apart.float().mean())
+        # a result near 0 from w * (1 - lr * wd) - update (cancellation) may differ by several of its own ulps
+        # where one side fused the multiply-add: excused if the difference is below 2^-20 of the tensor's amax
+        # (an fp32 rounding of the terms); -0 and +0 are the same state
+        tiny = (a.float() - b.float()).abs() <= 2.0 ** -20 * a.float().abs().max()
+        apart = torch.where(tiny, 0, apart)
+        worst = apart.flatten().argmax()
+        assert apart.max().item() <= 1 and (apart > 0).float().mean().item() < 0.02, \
+            (name, a.dtype, apart.max().item(), (apart > 1).sum().item(), apart.float().mean().item(),
+             a.flatten()[worst].item(), b.flatten()[worst].item())

@@ -35,25 +35,41 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _load(ptr, offs, mask, scale, SCALED: tl.constexpr):
+    def _load(ptr, offs, mask, inv, SCALED: tl.constexpr):
+        """A stored state in fp32: data / scale, as data * (1 / scale), the same number (the scales are powers of
+        two), for a multiply in place of a correctly rounded division per element."""
         x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if SCALED:
-            x = tl.math.div_rn(x, scale)
+            x = x * inv
         return x
 
     @triton.jit
-    def _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, gs, ms, vs, ws, lr, wd, bc1, bc2, w1, beta2, w2, eps,
-               G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr):
-        """adamw._fresh: the new moments and weights in fp32 (lerp with weight < 0.5 as torch computes it)."""
-        g = _load(g_ptr, offs, mask, gs, G_SCALED)
-        m = _load(m_ptr, offs, mask, ms, M_SCALED)
+    def _inverse(scale_ptr):
+        return tl.math.div_rn(1.0, tl.load(scale_ptr))
+
+    @triton.jit
+    def _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2,
+               eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+               W_SCALED: tl.constexpr):
+        """adamw._fresh: the new moments and weights in fp32 (lerp with weight < 0.5 as torch computes it).
+        ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
+        g = _load(g_ptr, offs, mask, ig, G_SCALED)
+        m = _load(m_ptr, offs, mask, im, M_SCALED)
         m = m + w1 * (g - m)
-        v = _load(v_ptr, offs, mask, vs, V_SCALED) * beta2
+        v = _load(v_ptr, offs, mask, iv, V_SCALED) * beta2
         v = v + (w2 * g) * g
-        w = _load(w_ptr, offs, mask, ws, W_SCALED) * (1.0 - lr * wd)
+        w = _load(w_ptr, offs, mask, iw, W_SCALED) * (1.0 - lr * wd)
         denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps
-        w = w - tl.math.div_rn(tl.math.div_rn(lr, bc1) * m, denom)
+        w = w - tl.math.div_rn(step_size * m, denom)
         return m, v, w
+
+    @triton.jit
+    def _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr):
+        """Per program: the inverse scales, lr, lr / bc1 and bc2 (adamw._bias's, computed by torch into buf)."""
+        lr = tl.load(lr_ptr)
+        step_size = tl.math.div_rn(lr, tl.load(buf_ptr + 3))
+        return _inverse(gs_ptr), _inverse(ms_ptr), _inverse(vs_ptr), _inverse(ws_ptr), lr, step_size, \
+            tl.load(buf_ptr + 7)
 
     @triton.jit
     def _abs(x, mask):
@@ -63,9 +79,7 @@ if triton is not None:
     def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        gs, ms, vs, ws = tl.load(gs_ptr), tl.load(ms_ptr), tl.load(vs_ptr), tl.load(ws_ptr)
-        lr = tl.load(lr_ptr)
-        bc1, bc2 = tl.load(buf_ptr + 3), tl.load(buf_ptr + 7)  # adamw._bias, by torch
+        ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -73,8 +87,8 @@ if triton is not None:
         for i in range(ITERS):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, gs, ms, vs, ws, lr, wd, bc1, bc2, w1, beta2,
-                             w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
+            m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1,
+                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
             am = tl.maximum(am, _abs(m, mask))
             av = tl.maximum(av, _abs(v, mask))
             if W_SCALED:
@@ -110,9 +124,8 @@ if triton is not None:
                       buf_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                       V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
                       W_MAX: tl.constexpr, WRITE_P: tl.constexpr, BLOCK: tl.constexpr):
-        gs, ms, vs, ws = tl.load(gs_ptr), tl.load(ms_ptr), tl.load(vs_ptr), tl.load(ws_ptr)
-        lr = tl.load(lr_ptr)
-        bc1, bc2 = tl.load(buf_ptr + 3), tl.load(buf_ptr + 7)  # adamw._bias, by torch
+        ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
+        ms, vs, ws = tl.load(ms_ptr), tl.load(vs_ptr), tl.load(ws_ptr)
         new_m, new_v, new_w = ms, vs, ws
         if M_SCALED:
             new_m = _pow2(tl.load(buf_ptr), ms, M_MAX)
@@ -123,8 +136,8 @@ if triton is not None:
         pid = tl.num_programs(0) - 1 - tl.program_id(0)  # from the end: pass one's last reads are in L2
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, gs, ms, vs, ws, lr, wd, bc1, bc2, w1, beta2, w2,
-                         eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
+        m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2,
+                         w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
         _store(m_ptr, offs, mask, m, new_m, M_SCALED, M_MAX)
         _store(v_ptr, offs, mask, v, new_v, V_SCALED, V_MAX)
         _store(w_ptr, offs, mask, w, new_w, W_SCALED, W_MAX)
