@@ -8,14 +8,15 @@ tensor from its end, where pass one read last, so what L2 still holds is read fr
 counters of a chunk of tensors are then written by two multi-tensor ops.
 
 Written here rather than left to torch.compile: inductor splits the amax reductions into two kernels and its
-elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at about 45% of HBM bandwidth on the bytes they
-move. The math is adamw._fresh's, in the same order of operations with correctly rounded division and square root;
-tests/test_gpu.py compares the states it writes with the eager update's. Nearest rounding only: stochastic
-rounding, non-contiguous tensors and CPUs keep the torch formulas (`supported`).
+elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at `7b` in 71 ms, these kernels in 55 ms
+(BENCHMARKS.md, `lowbit bench optim --update both`). The math is adamw._fresh's, in the same order of operations
+with correctly rounded division and square root; a state is decoded by multiplying with the inverse of its
+power-of-two scale, the same number as the division. tests/test_gpu.py compares the states it writes with the
+compiled update's. Nearest rounding only: stochastic rounding (nanotron-r2), non-contiguous tensors and CPUs keep
+the torch formulas (`supported`).
 
-Opt-in for now (LOWBIT_TRITON_UPDATE=1; LOWBIT_TRITON=0 still turns every kernel off): its fp32 math was checked
-against the eager update in Triton's interpreter only; the GPU test (tests/test_gpu.py
-test_triton_update_writes_what_the_compiled_update_writes) and `lowbit bench optim` have not run on it yet.
+On by default where Triton runs; LOWBIT_TRITON_UPDATE=0 (or LOWBIT_TRITON=0, every kernel) keeps the compiled
+passes.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import torch
 from lowbit.numerics.kernels import ENABLED as KERNELS, triton
 from lowbit.optim.precision import KINDS
 
-ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "0") == "1"
+ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program (pass one), warps per program
 
 if triton is not None:
