@@ -111,5 +111,5 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                    "read and write at the recipe's storage, averaged over covered and fp32 parameters"
                    + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
                    + ". The lowbit update reads its inputs twice (amaxes, then the writes); (compiled): its two "
-                   "passes by torch.compile, (Triton): optim/update_kernel.py's two kernels.")
+                   "passes by torch.compile, (Triton): src/lowbit/optim/update_kernel.py's two kernels.")
     report.save(complete=False)
