@@ -703,3 +703,32 @@ def test_compiled_blocks_under_parallel_layouts_match_eager(single, single_untie
     base, got = losses(base_dir), losses(run)
     assert base.keys() == got.keys()
     assert all(abs(got[s] - base[s]) <= 1e-5 * abs(base[s]) for s in base), (got, base)
+
+
+@pytest.mark.slow
+def test_pipeline_splits_the_batch_by_default_and_scores_a_smaller_last_validation_batch(single, tmp_path):
+    """Under parallel.pp with no train.micro_batch_size the replica's batch is split in pp micro-batches (torch's
+    schedules need one per stage), and a validation set whose last batch is smaller than the others (eval_batches
+    beyond the split) is scored whole at the end, as one process scores it."""
+    cache = single[1]
+    val = ["--model.tie_embeddings", "false", "--train.eval_batches", "1000"]
+    base = tmp_path / "base"
+    assert cli_main(["train", *SMALL, *STEPS, *val, "--train.micro_batch_size", "4", "--run.dir", str(base)]) == 0
+    run = run_layout(tmp_path, "pp2", 2, [*val, "--parallel.pp", "2"], cache)
+    a, b = losses(base), losses(run)
+    assert a.keys() == b.keys() and all(abs(b[s] - a[s]) <= 1e-5 * abs(a[s]) for s in a), (a, b)
+    assert abs(losses(run, "val_loss")[3] - losses(base, "val_loss")[3]) <= 1e-5 * losses(base, "val_loss")[3]
+
+
+def test_a_pipeline_with_fewer_micro_batches_than_stages_is_refused_on_one_line(monkeypatch):
+    from lowbit.distributed import mesh
+    from lowbit.errors import LowbitError
+    from lowbit.train.plan import load_config
+
+    monkeypatch.setattr(mesh, "world_size", lambda: 2)
+    args = ["--model.tie_embeddings", "false", "--parallel.pp", "2", "--train.batch_size", "6"]
+    with pytest.raises(LowbitError, match="set --train.micro_batch_size 3"):
+        load_config(None, [*args, "--train.micro_batch_size", "6"])
+    assert mesh.micro_batch(load_config(None, args), 6) == 3  # the default: one micro-batch per stage
+    with pytest.raises(LowbitError, match="raise train.batch_size to 2"):
+        load_config(None, ["--model.tie_embeddings", "false", "--parallel.pp", "2", "--train.batch_size", "1"])

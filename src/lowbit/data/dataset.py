@@ -58,6 +58,7 @@ class TokenDataset:
         self.vocab_size = int(self.meta["vocab_size"])
         self.eos_id = int(self.meta["eos_id"])
         self.tokenizer_path = self.path / "tokenizer.json"
+        self._check_own_tokenizer()
         if tokenizer:
             h = tokenizer_hash(load_tokenizer(tokenizer))
             if h != self.meta["tokenizer_hash"]:
@@ -79,6 +80,18 @@ class TokenDataset:
     def load_tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.tokenizer_path)
 
+    def _check_own_tokenizer(self) -> None:
+        """tokenizer.json is present, loads, and its ids fit meta.json's vocab_size."""
+        if not self.tokenizer_path.is_file():
+            raise LowbitError(f"{self.tokenizer_path} is missing; re-run `lowbit prepare`")
+        try:
+            n = load_tokenizer(self.tokenizer_path).get_vocab_size()
+        except LowbitError as e:
+            raise LowbitError(f"{e}; re-run `lowbit prepare`") from None
+        if self.vocab_size < n or not 0 <= self.eos_id < self.vocab_size:
+            raise LowbitError(f"{self.path / 'meta.json'}: vocab_size {self.vocab_size} / eos_id {self.eos_id} "
+                              f"do not fit the tokenizer's {n} ids; re-run `lowbit prepare`")
+
     def _open_shard(self, entry: dict, dtype: np.dtype, verify: bool) -> np.ndarray:
         try:
             name, tokens, digest = entry["file"], int(entry["tokens"]), entry["sha256"]
@@ -96,7 +109,12 @@ class TokenDataset:
             raise LowbitError(f"shard {f}: checksum mismatch (sha256 differs from meta.json); re-run `lowbit prepare`")
         if tokens == 0:
             return np.empty(0, dtype)  # mmap cannot map an empty file
-        return np.memmap(f, dtype=dtype, mode="r", shape=(tokens,))
+        shard = np.memmap(f, dtype=dtype, mode="r", shape=(tokens,))
+        top = int(shard.max()) if verify else 0  # the checksum has just read the file: cheap
+        if top >= self.vocab_size:
+            raise LowbitError(f"shard {f}: token id {top} >= vocab_size {self.vocab_size} of meta.json; "
+                              f"re-run `lowbit prepare`")
+        return shard
 
 
 def _read_meta(path: Path) -> dict:

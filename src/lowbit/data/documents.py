@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -15,6 +16,9 @@ TEXT_SUFFIXES = frozenset(
     ".py .pyi .c .h .cc .cpp .hpp .cu .rs .go .java .kt .scala .js .ts .jsx .tsx .rb .php .lua .sh .sql".split()
 )
 STRUCTURED_SUFFIXES = frozenset({".jsonl", ".parquet"})
+_SHARD_NAME = re.compile(r"(train|val)_\d{5}\.bin")  # as shards.ShardWriter names them
+# Invalid UTF-8 sequences a text file may hold (each replaced by U+FFFD): 16, or 1% of its bytes if more.
+_MAX_BAD, _MAX_BAD_SHARE = 16, 0.01
 
 
 def list_files(inputs: Iterable[str | Path]) -> list[Path]:
@@ -26,6 +30,7 @@ def list_files(inputs: Iterable[str | Path]) -> list[Path]:
         if p.is_file():
             files.append(p)
         elif p.is_dir():
+            _check_not_headless(p)
             files.extend(sorted(_walk(p)))
         else:
             raise LowbitError(f"data path not found: {p}")
@@ -38,6 +43,8 @@ def _walk(root: Path) -> Iterator[Path]:
         dirnames[:] = sorted(
             d for d in dirnames if not d.startswith(".") and not _is_prepared(here / d)
         )
+        for d in dirnames:
+            _check_not_headless(here / d)
         for name in sorted(filenames):
             suffix = Path(name).suffix.lower()
             if not name.startswith(".") and (suffix in TEXT_SUFFIXES or suffix in STRUCTURED_SUFFIXES):
@@ -48,11 +55,32 @@ def _is_prepared(d: Path) -> bool:
     return (d / "meta.json").is_file() and (d / "tokenizer.json").is_file()
 
 
+def _check_not_headless(d: Path) -> None:
+    """A prepared dataset that lost its meta.json must not be read as raw text (its tokenizer.json would be)."""
+    try:
+        names = os.listdir(d)
+    except OSError:
+        return  # unreadable: os.walk skips it
+    if "meta.json" not in names and any(_SHARD_NAME.fullmatch(n) for n in names):
+        raise LowbitError(f"{d / 'meta.json'} is missing: {d} holds the shards of a prepared dataset; "
+                          f"re-run `lowbit prepare`")
+
+
+def _read_text(f: Path) -> str:
+    """A raw text file as UTF-8, a few undecodable bytes replaced; a binary file is refused."""
+    data = f.read_bytes()
+    text = data.decode("utf-8", errors="replace")
+    bad = text.count("\ufffd") - data.count("\ufffd".encode())  # less the U+FFFD that were in the file
+    if b"\0" in data or bad > max(_MAX_BAD, _MAX_BAD_SHARE * len(data)):
+        raise LowbitError(f"{f} is not UTF-8 text (binary?); remove it from the data or convert it")
+    return text.replace("\r\n", "\n").replace("\r", "\n")  # newlines as read_text() gave them
+
+
 def read_documents(
     inputs: Iterable[str | Path], field: str = "text", column: str = "text"
 ) -> Iterator[str]:
     """Yield documents: one per .jsonl line (its `field`), one per .parquet row (its `column`),
-    one per other file (UTF-8, undecodable bytes replaced)."""
+    one per other file (UTF-8, a few undecodable bytes replaced, binary refused)."""
     for f in list_files(inputs):
         suffix = f.suffix.lower()
         if suffix == ".jsonl":
@@ -60,7 +88,7 @@ def read_documents(
         elif suffix == ".parquet":
             yield from _read_parquet(f, column)
         else:
-            yield f.read_text(encoding="utf-8", errors="replace")
+            yield _read_text(f)
 
 
 def _read_jsonl(f: Path, field: str) -> Iterator[str]:

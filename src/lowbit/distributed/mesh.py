@@ -70,6 +70,22 @@ def check_layout(cfg, args, precision) -> None:
     if t.micro_batch_size and (t.batch_size // replicas) % t.micro_batch_size:
         raise LowbitError(f"train.micro_batch_size ({t.micro_batch_size}) must divide the per-replica batch "
                           f"(train.batch_size / (parallel.dp * parallel.dp_shard) = {t.batch_size // replicas})")
+    local = t.batch_size // replicas
+    if p.pp > 1 and local // micro_batch(cfg, local) < p.pp:
+        fits = [d for d in range(local // p.pp, 0, -1) if local % d == 0]
+        raise LowbitError(f"train.micro_batch_size: a pipeline of {p.pp} stages needs at least {p.pp} micro-batches "
+                          f"per replica, but {local} sequence(s) make {local // micro_batch(cfg, local)}; "
+                          + (f"set --train.micro_batch_size {fits[0]}" if fits else
+                             f"raise train.batch_size to {p.pp * replicas} or more"))
+
+
+def micro_batch(cfg, local_batch: int) -> int:
+    """Sequences per micro-batch: train.micro_batch_size, else the replica's whole batch, or under pipeline
+    parallelism (which needs a micro-batch per stage at least) the batch split in parallel.pp where it divides."""
+    pp = cfg.parallel.pp
+    if cfg.train.micro_batch_size:
+        return cfg.train.micro_batch_size
+    return local_batch // pp if pp > 1 and local_batch % pp == 0 else local_batch
 
 
 def _low_precision_states(prec) -> bool:

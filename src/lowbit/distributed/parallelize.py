@@ -73,10 +73,18 @@ def parallelize_optimizer(optimizer, par: Parallel, mesh, parallel) -> None:
 
 
 def pipeline_schedules(par: Parallel, mesh, device: torch.device, n_micro: int, kind: str):
-    """(training, validation) pipes of a pipeline stage, each (schedule, stage, micro-batches), or (None, None):
-    validation batches are single micro-batches, with a schedule of their own."""
+    """(training pipe, validation pipes) of a pipeline stage, or (None, None). The training pipe is (schedule,
+    stage, micro-batches); validation batches are single micro-batches, and as a stage runs one batch shape per
+    schedule, `validation(b)` gives the pipe for a batch of b sequences (a smaller last batch gets its own)."""
     if par.stage is None:
         return None, None
     pp, coord = mesh.sizes["pp"], mesh.coords["pp"]
-    return ((pipeline.build_schedule(par.stage, coord, pp, device, par.pp_group, n_micro, kind), par.stage, n_micro),
-            (pipeline.build_schedule(par.stage, coord, pp, device, par.pp_group, 1, "gpipe"), par.stage, 1))
+    pipes = {}
+
+    def validation(b: int) -> tuple:
+        if b not in pipes:
+            pipes[b] = (pipeline.build_schedule(par.stage, coord, pp, device, par.pp_group, 1, "gpipe"), par.stage, 1)
+        return pipes[b]
+
+    return (pipeline.build_schedule(par.stage, coord, pp, device, par.pp_group, n_micro, kind), par.stage,
+            n_micro), validation

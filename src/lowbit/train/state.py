@@ -42,7 +42,7 @@ class Run:
     micro: int = 0  # micro-batch size, per replica
     n_micro: int = 0
     pipe: tuple | None = None  # (schedule, stage, micro-batches) of a pipeline stage
-    eval_pipe: tuple | None = None
+    eval_pipe: object = None  # parallelize.pipeline_schedules' validation(b), under pipeline parallelism
     # counters
     start_step: int = 0
     step: int = 0

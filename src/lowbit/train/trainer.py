@@ -17,7 +17,7 @@ import signal
 import torch
 
 from lowbit.distributed import pipeline
-from lowbit.distributed.mesh import init_mesh, local_device, mean_over
+from lowbit.distributed.mesh import init_mesh, local_device, mean_over, micro_batch
 from lowbit.distributed.parallelize import parallelize, parallelize_optimizer, pipeline_schedules
 from lowbit.errors import LowbitError
 from lowbit.models.init import materialize
@@ -117,7 +117,8 @@ class _Silent:
 @torch.no_grad()
 def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=None) -> float:
     """Mean validation loss; with context parallelism each rank scores its shard and the ranks average; with
-    pipeline parallelism (`pipe`: schedule, stage module, micro-batches) the stages run it together."""
+    pipeline parallelism (`pipe(b)`: the schedule, stage module and micro-batches for a batch of b) the stages run
+    it together."""
     was_training = model.training
     model.eval()
     total, count = torch.zeros((), device=device), 0
@@ -127,7 +128,8 @@ def evaluate(model, batches, device, autocast, positions=None, group=None, pipe=
         x, y = this_rank(x, y, positions)
         with autocast():
             if pipe is not None:
-                total += pipeline.run(pipe[0], pipe[1], x.to(device), y.to(device), train=False) / pipe[2] * b
+                sched, stage, n = pipe(x.shape[0])
+                total += pipeline.run(sched, stage, x.to(device), y.to(device), train=False) / n * b
             else:
                 total += model(x.to(device), y.to(device), positions=positions).float() * b
     model.train(was_training)
@@ -204,7 +206,7 @@ def _open(run: Run) -> None:
     # collectives, so the other ranks skip it.
     run.param_names = {p: name for name, p in run.model.named_parameters()} if run.lead else None
     loader = run.inputs.loader
-    run.micro = t.micro_batch_size or loader.local_batch  # per replica
+    run.micro = micro_batch(cfg, loader.local_batch)  # per replica
     run.n_micro = loader.local_batch // run.micro
     run.pipe, run.eval_pipe = pipeline_schedules(run.par, run.mesh, run.device, run.n_micro, cfg.parallel.pp_schedule)
     run.step = run.start_step
