@@ -252,3 +252,18 @@ def test_compare_seeds_pairs_each_run_with_bf16_of_its_seed(compared, tmp_path, 
         code, _, err = cli(capsys, "compare", *args, "--out", tmp_path / "bad", *ARGS)
         assert code == 2 and message in err and len(err.strip().splitlines()) == 1, (args, err)
         assert not (tmp_path / "bad").exists()
+
+
+def test_compare_refuses_a_gpu_that_is_not_here_before_launching(monkeypatch):
+    import torch
+
+    from lowbit.errors import LowbitError
+    from lowbit.tools.compare import parse_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert parse_devices("cuda:0,cuda") == ["cuda:0", "cuda"]
+    with pytest.raises(LowbitError, match="cuda:1 is not here"):
+        parse_devices("cuda:0,cuda:1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(LowbitError, match="no GPU"):
+        parse_devices("cuda:0")

@@ -288,3 +288,21 @@ def test_sdpa_backend_is_refused_under_context_parallelism(monkeypatch):
     with pytest.raises(LowbitError, match=r"model.sdpa_backend \(math\): context parallelism"):
         load_config(None, [*cp, "--model.sdpa_backend", "math"])
     load_config(None, cp)
+
+
+@pytest.mark.parametrize("name,make", [("config.toml", "dir"), ("checkpoints", "file")])
+def test_run_files_of_the_wrong_kind_are_found_before_training(capsys, tmp_path, dataset, name, make):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / name).mkdir() if make == "dir" else (run / name).write_text("x")
+    assert_user_error(capsys, ["train", *SMALL, "--data.path", dataset, "--run.dir", run], name)
+    assert sorted(p.name for p in run.iterdir()) == [name]  # nothing trained, nothing written
+
+
+@pytest.mark.slow
+def test_a_diverged_run_says_so_on_one_line(capsys, tmp_path, dataset):
+    args = [*SMALL, "--data.path", dataset, "--train.steps", "20", "--train.lr", "10", "--train.grad_clip", "0"]
+    code, _, err = cli(capsys, "train", *args, "--run.dir", tmp_path / "run")
+    assert code == 0 and err.count("the run diverged") == 1 and "lower train.lr" in err, err
+    code, _, err = cli(capsys, "train", *SMALL, "--data.path", dataset, "--run.dir", tmp_path / "fine")
+    assert code == 0 and "diverged" not in err

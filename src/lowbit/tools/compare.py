@@ -77,7 +77,22 @@ def parse_devices(text: str) -> list[str]:
             raise LowbitError(f"compare: --devices: {d!r} is not cpu, cuda or cuda:N")
     if len({d.split(":")[0] for d in devices}) > 1:  # train.dtype auto would differ: fp32 on cpu, bf16 on cuda
         raise LowbitError(f"compare: --devices: {text!r} mixes cpu and cuda; the runs would train in other dtypes")
+    _check_gpus(devices)
     return devices
+
+
+def _check_gpus(devices: list[str]) -> None:
+    """Every cuda device named exists here: refused before any run is launched."""
+    import torch
+
+    wanted = [d for d in devices if d.startswith("cuda")]
+    have = torch.cuda.device_count() if wanted else 0
+    for d in wanted:
+        index = int(d.split(":")[1]) if ":" in d else 0
+        if index >= have:
+            raise LowbitError(f"compare: --devices: {d} is not here ({have} CUDA device(s) visible"
+                              f"{'' if have else ': no GPU, or a CPU build of torch'}); use cpu or an index below "
+                              f"{max(have, 1)}")
 
 
 def split_entry(entry: str) -> tuple[str, list[str]]:

@@ -11,9 +11,10 @@
                               write
 
 A checkpoint is written under a temporary name and renamed into place, so a crash mid-write leaves the previous
-checkpoints untouched; the manifest catches later corruption (truncated or altered files). In a distributed run
-rank 0 makes and finishes the directory (`begin`, `commit`) and every process writes its tensors in between
-(`write_tensors`).
+checkpoints untouched, and a failed write removes its temporary directory; the manifest catches later corruption
+(truncated or altered files), and resume also reads the small files and the tensors' index back (`check_contents`).
+In a distributed run rank 0 makes and finishes the directory (`begin`, `commit`) and every process writes its
+tensors in between (`write_tensors`).
 """
 
 from __future__ import annotations
@@ -23,16 +24,21 @@ import json
 import os
 import shutil
 import sys
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from lowbit.errors import LowbitError
 
 PREFIX = "step_"
 REQUIRED = (".metadata", "state.pt", "trainer.json")
 MODEL = "model."
+INFO_KEYS = ("step", "tokens_seen", "model_args", "tokenizer_hash")  # what resume reads of trainer.json
+STATE_KEYS = ("optimizer", "scheduler", "rng")  # ... and of state.pt
 
 
 def checkpoint_root(run_dir: str | Path) -> Path:
@@ -56,7 +62,20 @@ def _fsync(path: Path) -> None:
 
 
 def _one_line(e: BaseException) -> str:
+    if isinstance(e, CheckpointException) and e.failures:  # DCP wraps each rank's exception with its traceback
+        e = next(iter(e.failures.values()))[0]
+    if isinstance(e, OSError) and e.errno:
+        return f"{os.strerror(e.errno).lower()}"
     return f"{type(e).__name__}: {e}".strip().splitlines()[-1][:300]
+
+
+@contextmanager
+def _quiet():
+    """DCP's warning that it reads or writes in a single process (what a one-process run means)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                                category=UserWarning)
+        yield
 
 
 def begin(run_dir: str | Path, step: int, lead: bool = True) -> Path:
@@ -76,10 +95,12 @@ def begin(run_dir: str | Path, step: int, lead: bool = True) -> Path:
 
 def write_tensors(tmp: Path, tensors: dict[str, torch.Tensor]) -> None:
     """Every process: its pieces of the model and optimizer (a collective in a distributed run)."""
+    final = tmp.parent / tmp.name[len(".tmp-"):]
     try:
-        dcp.save(tensors, checkpoint_id=str(tmp))
-    except Exception as e:  # DCP reports any rank's failure on every rank
-        raise LowbitError(f"checkpoint: writing tensors to {tmp} failed ({_one_line(e)})") from None
+        with _quiet():
+            dcp.save(tensors, checkpoint_id=str(tmp))
+    except (Exception, CheckpointException) as e:  # DCP reports any rank's failure on every rank
+        raise LowbitError(f"checkpoint: cannot write {final} ({_one_line(e)})") from None
 
 
 def _write_files(tmp: Path, state: dict, info: dict) -> None:
@@ -103,7 +124,7 @@ def commit(run_dir: str | Path, step: int, tmp: Path, state: dict, info: dict, k
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync(root)
-    except OSError as e:
+    except (OSError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         shutil.rmtree(tmp, ignore_errors=True)
         raise LowbitError(f"checkpoint: cannot write {final} ({_one_line(e)})") from None
     except BaseException:
@@ -140,6 +161,9 @@ def verify(path: Path) -> None:
         manifest = json.loads((path / "manifest.json").read_text())
     except (OSError, ValueError):
         raise LowbitError(f"checkpoint {path}: missing or unreadable manifest.json") from None
+    if not isinstance(manifest, dict) or not all(isinstance(e, dict) and isinstance(e.get("bytes"), int) and
+                                                 isinstance(e.get("sha256"), str) for e in manifest.values()):
+        raise LowbitError(f"checkpoint {path}: manifest.json is damaged")
     for name in sorted(set(manifest) | set(REQUIRED)):
         f, entry = path / name, manifest.get(name)
         if entry is None or not f.is_file():
@@ -149,7 +173,8 @@ def verify(path: Path) -> None:
 
 
 def find_resumable(run_dir: str | Path) -> Path:
-    """The newest checkpoint that verifies; corrupt newer ones are reported and skipped."""
+    """The newest checkpoint that verifies and reads back (`check_contents`); damaged newer ones are reported and
+    skipped."""
     candidates = list_checkpoints(run_dir)
     if not candidates:
         raise LowbitError(f"run.resume: no checkpoint in {checkpoint_root(run_dir)}")
@@ -157,6 +182,7 @@ def find_resumable(run_dir: str | Path) -> Path:
     for path in reversed(candidates):
         try:
             verify(path)
+            check_contents(path)
         except LowbitError as e:
             skipped.append(str(e))
             continue
@@ -166,12 +192,24 @@ def find_resumable(run_dir: str | Path) -> Path:
     raise LowbitError(f"run.resume: every checkpoint in {checkpoint_root(run_dir)} is corrupt ({skipped[0]})")
 
 
+def check_contents(path: Path) -> None:
+    """Raise LowbitError unless state.pt, trainer.json and the tensors' index read back and hold what resume reads:
+    damage written before the manifest, which it cannot see."""
+    state, info = load_state(path)
+    missing = [k for k in INFO_KEYS if not isinstance(info, dict) or k not in info]
+    missing += [k for k in STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise LowbitError(f"checkpoint {path}: {'trainer.json' if missing[0] in INFO_KEYS else 'state.pt'} "
+                          f"has no {missing[0]!r} (damaged)")
+    _stored(path)
+
+
 def load_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict]:
     """(state, info) of a checkpoint that find_resumable already verified."""
     try:
         state = torch.load(path / "state.pt", map_location=map_location, weights_only=True)
         info = json.loads((path / "trainer.json").read_text())
-    except (OSError, ValueError, RuntimeError) as e:
+    except Exception as e:  # whatever a damaged pickle raises (UnpicklingError, EOFError, RuntimeError...)
         raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
     return state, info
 
@@ -179,7 +217,7 @@ def load_state(path: Path, map_location: str | torch.device = "cpu") -> tuple[di
 def _stored(path: Path) -> dict:
     try:
         return dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    except Exception as e:
+    except (Exception, CheckpointException) as e:
         raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
 
 
@@ -203,8 +241,9 @@ def load_tensors(path: Path, tensors: dict[str, torch.Tensor], model_keys: set[s
     if problem is not None:
         raise LowbitError(f"run.resume: checkpoint {path} does not fit this model: {problem}")
     try:
-        dcp.load(tensors, checkpoint_id=str(path))
-    except Exception as e:
+        with _quiet():
+            dcp.load(tensors, checkpoint_id=str(path))
+    except (Exception, CheckpointException) as e:
         raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
 
 
@@ -214,8 +253,9 @@ def read_whole(path: Path, prefix: str = MODEL, suffix: str = "") -> dict[str, t
     tensors = {k: torch.empty(tuple(m.size), dtype=m.properties.dtype) for k, m in _stored(path).items()
                if k.startswith(prefix) and k.endswith(suffix) and hasattr(m, "size")}
     try:
-        dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
-    except Exception as e:
+        with _quiet():
+            dcp.load(tensors, checkpoint_id=str(path), no_dist=True)
+    except (Exception, CheckpointException) as e:
         raise LowbitError(f"checkpoint {path}: cannot be read ({_one_line(e)})") from None
     return {k[len(prefix):]: v for k, v in tensors.items()}
 
@@ -239,6 +279,7 @@ def latest_for_inference(run_dir: str | Path) -> Path:
     p = Path(run_dir)
     if (p / "manifest.json").exists():
         verify(p)
+        check_contents(p)
         return p
     if not p.is_dir():
         raise LowbitError(f"run directory not found: {run_dir}")

@@ -104,6 +104,15 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
         probe.unlink()
     except OSError as e:
         raise LowbitError(f"run.dir: {run_dir} is not writable ({e.strerror or e})") from None
+    for name, is_dir in RUN_FILES.items():  # found now, not when the first checkpoint or the summary is written
+        path = run_dir / name
+        if path.exists() and path.is_dir() != is_dir:
+            raise LowbitError(f"run.dir: {path} is a {'file' if is_dir else 'directory'}, where the run writes its "
+                              f"{'directory' if is_dir else 'file'}; remove it or choose another --run.dir")
+
+
+RUN_FILES = {"config.toml": False, "tokenizer.json": False, "metrics.jsonl": False, "summary.json": False,
+             "loss.png": False, "memory.json": False, "checkpoints": True}  # name: whether it is a directory
 
 
 def this_rank(x, y, positions):

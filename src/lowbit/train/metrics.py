@@ -35,11 +35,29 @@ def check_tensorboard() -> None:
             from None
 
 
+def _record(line: str) -> dict | None:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        return None
+    return r if isinstance(r, dict) else None
+
+
 def truncate_after(path: Path, step: int) -> None:
     """Drop lines of steps after `step` (a resumed run redoes them), atomically."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= step]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    records = [_record(line) for line in lines]
+    if records and records[-1] is None:  # a crash mid-write: its last line is cut short
+        warn(f"{path}: dropping its damaged last line (cut short by a crash?)")
+        lines, records = lines[:-1], records[:-1]
+    if None in records:
+        from lowbit.errors import LowbitError
+
+        raise LowbitError(f"{path}: line {records.index(None) + 1} is not a JSON record (damaged; repair or remove "
+                          f"that line)")
+    kept = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import shutil
 from pathlib import Path
 
 import torch
@@ -48,7 +49,12 @@ def save_checkpoint(run: Run, step: int) -> Path:
     # the same on every rank). Its errors reach every rank, and nobody reads a half-written checkpoint.
     run_dir, lead = run.run_dir, run.lead
     tmp = lead_first(mesh, lambda: ckpt.begin(run_dir, step, lead))
-    ckpt.write_tensors(tmp, checkpoint_tensors(run.model, run.optimizer, mesh))
+    try:
+        ckpt.write_tensors(tmp, checkpoint_tensors(run.model, run.optimizer, mesh))
+    except BaseException:  # every rank gets DCP's error; rank 0 removes the half-written directory
+        if lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return lead_first(mesh, lambda: ckpt.commit(run_dir, step, tmp, state, info, run.cfg.checkpoint.keep)
                       if lead else ckpt.checkpoint_root(run_dir) / f"{ckpt.PREFIX}{step:08d}")
 

@@ -29,7 +29,7 @@ from lowbit.train.compile import compile_model
 from lowbit.train.config import Config
 from lowbit.train.plan import resolve_recipe
 from lowbit.train.inputs import check_inputs, this_rank
-from lowbit.train.metrics import Metrics, plot_losses, truncate_after
+from lowbit.train.metrics import Metrics, plot_losses, truncate_after, warn
 from lowbit.train.report import Clock, report_step
 from lowbit.train.snapshot import restore, save_checkpoint
 from lowbit.train.state import Run
@@ -277,4 +277,15 @@ def _finish(run: Run) -> dict:
         plot_losses(run.metrics.path, run.run_dir / "loss.png")
     if run.lead:
         (run.run_dir / "summary.json").write_text(json.dumps(run.summary, indent=1))
+        _warn_if_diverged(run)
     return run.summary
+
+
+def _warn_if_diverged(run: Run) -> None:
+    """A run that ends worse than a uniform guess over the vocabulary (loss ln V) has diverged: said on one line,
+    with what usually causes it, though the run itself finished."""
+    loss, vocab = run.summary.get("loss"), run.inputs.args.vocab_size
+    if loss is not None and not loss < 1.5 * math.log(vocab):
+        warn(f"the training loss ended at {loss:.4g}, above the {math.log(vocab):.2f} of a uniform guess over "
+             f"{vocab} tokens: the run diverged; lower train.lr (now {run.cfg.train.lr:g}) or set train.grad_clip "
+             f"(now {run.cfg.train.grad_clip:g})")
