@@ -1,3 +1,4 @@
+import hashlib
 import json
 from pathlib import Path
 
@@ -26,6 +27,24 @@ def cli(capsys, *args: str) -> tuple[int, str, str]:
     code = main([str(a) for a in args])
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def assert_user_error(capsys, args, *needles) -> str:
+    """`lowbit ARGS` fails as a user error: exit 2, one line on stderr naming each of `needles`, no traceback."""
+    code, out, err = cli(capsys, *args)
+    assert code == 2, (code, out, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("lowbit: error:"), err
+    assert "Traceback" not in err
+    for n in needles:
+        assert str(n) in lines[0], lines[0]
+    return lines[0]
+
+
+def snapshot(root: Path) -> dict[str, str]:
+    """Every file under root with its sha256: what a refused command must leave as it was."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,30 +1,13 @@
 """Bad input: one line on stderr naming the key or file, exit status 2, no traceback, nothing overwritten."""
 
-import hashlib
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import SMALL, cli
+from conftest import SMALL, assert_user_error, cli, snapshot
 from lowbit.data import default_dataset, train_tokenizer
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def assert_user_error(capsys, args, *needles):
-    code, out, err = cli(capsys, *args)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lowbit: error:"), err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

@@ -12,27 +12,11 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from conftest import SMALL, cli, read_metrics
+from conftest import SMALL, assert_user_error, cli, read_metrics, snapshot
 from lowbit.data import default_dataset
 from lowbit.errors import LowbitError
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.metrics import truncate_after
-
-
-def snapshot(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def assert_user_error(capsys, args, *needles):
-    code, out, err = cli(capsys, *args)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lowbit: error:"), err
-    assert "Traceback" not in err
-    for n in needles:
-        assert n in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

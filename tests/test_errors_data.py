@@ -8,20 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import SMALL, cli
+from conftest import SMALL, assert_user_error
 from lowbit.data import TokenDataset, prepare
 
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 200
-
-
-def assert_user_error(capsys, args, *needles):
-    code, out, err = cli(capsys, *args)
-    assert code == 2, (code, out, err)
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("lowbit: error:"), err
-    for n in needles:
-        assert str(n) in lines[0], lines[0]
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

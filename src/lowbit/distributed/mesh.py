@@ -71,10 +71,11 @@ def check_layout(cfg, args, precision) -> None:
         raise LowbitError(f"train.micro_batch_size ({t.micro_batch_size}) must divide the per-replica batch "
                           f"(train.batch_size / (parallel.dp * parallel.dp_shard) = {t.batch_size // replicas})")
     local = t.batch_size // replicas
-    if p.pp > 1 and local // micro_batch(cfg, local) < p.pp:
+    n_micro = local // micro_batch(cfg, local)
+    if p.pp > 1 and n_micro < p.pp:
         fits = [d for d in range(local // p.pp, 0, -1) if local % d == 0]
         raise LowbitError(f"train.micro_batch_size: a pipeline of {p.pp} stages needs at least {p.pp} micro-batches "
-                          f"per replica, but {local} sequence(s) make {local // micro_batch(cfg, local)}; "
+                          f"per replica, but {local} sequence(s) make {n_micro}; "
                           + (f"set --train.micro_batch_size {fits[0]}" if fits else
                              f"raise train.batch_size to {p.pp * replicas} or more"))
 

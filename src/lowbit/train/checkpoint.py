@@ -65,7 +65,7 @@ def _one_line(e: BaseException) -> str:
     if isinstance(e, CheckpointException) and e.failures:  # DCP wraps each rank's exception with its traceback
         e = next(iter(e.failures.values()))[0]
     if isinstance(e, OSError) and e.errno:
-        return f"{os.strerror(e.errno).lower()}"
+        return os.strerror(e.errno).lower()
     return f"{type(e).__name__}: {e}".strip().splitlines()[-1][:300]
 
 

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from lowbit.errors import LowbitError
+
 # Dense BF16 tensor-core peaks (FLOP/s) for MFU. Matched against torch.cuda.get_device_name().
 GPU_PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
                  "B200": 2250e12}
@@ -29,8 +31,6 @@ def check_tensorboard() -> None:
     try:
         import torch.utils.tensorboard  # noqa: F401
     except ImportError:
-        from lowbit.errors import LowbitError
-
         raise LowbitError("run.tensorboard: the tensorboard package is not installed (pip install tensorboard)") \
             from None
 
@@ -53,8 +53,6 @@ def truncate_after(path: Path, step: int) -> None:
         warn(f"{path}: dropping its damaged last line (cut short by a crash?)")
         lines, records = lines[:-1], records[:-1]
     if None in records:
-        from lowbit.errors import LowbitError
-
         raise LowbitError(f"{path}: line {records.index(None) + 1} is not a JSON record (damaged; repair or remove "
                           f"that line)")
     kept = [line for line, r in zip(lines, records) if r.get("step", 0) <= step]
