@@ -406,13 +406,14 @@ def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype, 
     ("fp32", "none", "e5m2", "bf16", "e5m2"),
     ("bf16", "fp32", "bf16", "fp32", "e4m3"),
 ])
-def test_triton_update_writes_what_the_compiled_update_writes(weights, master, grads, m, v, monkeypatch):
+@pytest.mark.parametrize("scales", ["amax", "bound"])
+def test_triton_update_writes_what_the_compiled_update_writes(weights, master, grads, m, v, scales, monkeypatch):
     """The Triton update (optim/update_kernel.py) against the compiled torch passes, one step from the same
     states: the same scales, and every stored value the same or its neighbour in its format (the two differ only
     in how fp32 products are rounded and fused), or apart by less than an fp32 rounding of the terms."""
     from lowbit.optim import LowbitAdamW, StatePrecision, update_kernel
 
-    prec = StatePrecision(weights=weights, master=master, grads=grads, exp_avg=m, exp_avg_sq=v)
+    prec = StatePrecision(weights=weights, master=master, grads=grads, exp_avg=m, exp_avg_sq=v, scales=scales)
     calls = []
     real = update_kernel.update
     monkeypatch.setattr(update_kernel, "update", lambda *a: calls.append(1) or real(*a))
@@ -437,6 +438,7 @@ def test_triton_update_writes_what_the_compiled_update_writes(weights, master, g
             out |= {f"{i}.{k}": st[k].clone() for k in ("exp_avg_scale", "exp_avg_sq_scale", "master_scale", "step")
                     if k in st}
             out |= {f"{i}.weight_scale": p._scale.clone()} if weights == "fp16" else {}
+            out |= {f"{i}.amax_record": opt._amax[p].clone()} if scales == "bound" else {}
         return out
 
     compiled = stepped(False)
@@ -447,6 +449,9 @@ def test_triton_update_writes_what_the_compiled_update_writes(weights, master, g
         b = fused[name]
         if a.dim() == 0:
             assert torch.equal(a, b), (name, a, b)
+            continue
+        if name.endswith("amax_record"):  # amaxes of stored values, which may be a neighbour apart (E4M3: 1/8)
+            assert torch.allclose(a, b, rtol=0.13, atol=0), (name, a, b)
             continue
         ints = {1: torch.int8, 2: torch.int16, 4: torch.int32}[a.element_size()]
         apart = (a.view(ints).int() - b.view(ints).int()).abs()

@@ -1,6 +1,8 @@
 """The optimizer with per-state storage precision, FP8 gradients and FP8 gradient sums."""
 
+import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,6 +89,11 @@ TRACKING = [
     (StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16"), 0.10),  # O2's FP16 weights
     (StatePrecision(weights="fp16", grads="bf16"), 0.08),  # bf16 weights alone: 0.10
     (StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2"), 0.20),
+    # bounded scales (one pass): the same storage tracks as closely as with the new amax's scales
+    (StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16", scales="bound"), 0.10),
+    (StatePrecision(weights="bf16", master="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16", scales="bound"),
+     0.10),
+    (StatePrecision(exp_avg="e4m3", exp_avg_sq="fp16", scales="bound"), 0.06),  # unscaled gradients: their amax
 ]
 
 
@@ -717,3 +724,77 @@ def test_graph_key_refuses_tensor_subclasses():
     t = torch.zeros(3)
     assert key_of([(t, 1.0), torch.nn.Parameter(t)]) is not None
     assert key_of([(t, t.as_subclass(Wrapper))]) is None
+
+
+O2 = StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+
+
+def _o2_run(scales: str, steps: int, spike: int = -1, reload_at: int = -1):
+    """fp8lm-o2's storage on two weights for `steps` steps (gradients 30x larger at step `spike`); the optimizer
+    rebuilt from its state_dict at step `reload_at`. Returns (params, optimizer)."""
+    params = _params()
+    prec = replace(O2, scales=scales)
+    opt = LowbitAdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, precision=prec)
+    for step in range(steps):
+        if step == reload_at:
+            saved = copy.deepcopy(opt.state_dict())
+            opt = LowbitAdamW(params, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, precision=prec)
+            opt.load_state_dict(saved)
+        grads = _grads(step, [p.shape for p in params])
+        _backward(params, [g * 30 if step == spike else g for g in grads])
+        opt.step()
+        opt.zero_grad()
+    return params, opt
+
+
+def test_bounded_scales_bound_every_written_state_and_never_saturate(monkeypatch):
+    """optim.scales = bound: one pass (no amax pass runs), each scale at most the new amax's (nothing clamped at
+    the format's top, a gradient spike included) and at most 4x below it; the record holds the stored amaxes."""
+    from lowbit.optim import adamw
+
+    monkeypatch.setattr(adamw, "_amaxes", lambda *a, **k: pytest.fail("bounded scales ran an amax pass"))
+    params, opt = _o2_run("bound", 12, spike=6)
+    for p in params:
+        st = opt.state[p]
+        for data, scale, fmax in ((st["exp_avg"], st["exp_avg_scale"], 448.0),
+                                  (st["exp_avg_sq"], st["exp_avg_sq_scale"], 65504.0),
+                                  (p._data, p._scale, 65504.0)):
+            top = data.float().abs().max().item()
+            assert fmax / 4 <= top < fmax, (top, fmax)  # within two binades of the top, never saturated
+        record = opt._amax[p]
+        stored = torch.stack([decode(st["exp_avg"], "e4m3", st["exp_avg_scale"]).abs().max(),
+                              decode(st["exp_avg_sq"], "fp16", st["exp_avg_sq_scale"]).abs().max(),
+                              p.value().abs().max()])
+        assert torch.equal(record, stored)
+
+
+def test_bounds_hold_for_adversarial_gradients():
+    """bounds() in exact terms: the largest new |m|, v and |w| over gradients that push one element to its bound
+    (aligned with m, at the largest magnitude) stay under it, and the ratio bound holds over a random walk."""
+    from lowbit.optim.state_bounds import bounds
+
+    torch.manual_seed(0)
+    b1, b2, lr, wd = 0.9, 0.95, 1e-3, 0.1
+    m = torch.zeros(4096, dtype=torch.float64)
+    v = torch.zeros_like(m)
+    w = torch.randn_like(m) * 0.02
+    for t in range(200):
+        g = torch.randn_like(m) * torch.rand(()) ** 4 * 10
+        g[t % 64] = g.abs().max() * (1 if m[t % 64] >= 0 else -1)  # one element pushed toward its bound
+        b = bounds(torch.tensor([m.abs().max(), v.max(), w.abs().max()]).float(), g.abs().max().float(),
+                   torch.tensor(float(t)), torch.tensor(lr), wd, b1, b2).double()
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        mh, vh = m / (1 - b1 ** (t + 1)), v / (1 - b2 ** (t + 1))
+        w = w * (1 - lr * wd) - lr * mh / (vh.sqrt() + 1e-8)
+        assert m.abs().max() <= b[0] * (1 + 1e-6) and v.max() <= b[1] * (1 + 1e-6)
+        assert w.abs().max() <= b[2] * (1 + 1e-6)
+
+
+def test_bounded_scales_resume_bit_for_bit():
+    """The record of last amaxes is not saved: a loaded optimizer measures it from the stored states, which is
+    what was recorded, so a reload changes nothing."""
+    straight, _ = _o2_run("bound", 8)
+    reloaded, _ = _o2_run("bound", 8, reload_at=4)
+    for a, b in zip(straight, reloaded):
+        assert torch.equal(a._data, b._data) and torch.equal(a._scale, b._scale)

@@ -39,6 +39,7 @@ from lowbit.optim import update_kernel
 from lowbit.optim.graphs import Graphed, key_of
 from lowbit.optim.precision import KINDS, StatePrecision, decode, encode, pow2_scale, stochastic_round, store
 from lowbit.optim.scaled_weight import ScaledFP16Weight
+from lowbit.optim.state_bounds import bound_scales, scaled_states, stored_amaxes
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
 CHUNK = 8  # tensors per compiled call (update, gradient store): few calls, yet graphs that compile in seconds
@@ -195,13 +196,6 @@ def _fresh(p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, 
     return m32, v32, w - (lr / bc1) * m32 / denom
 
 
-def _scaled(kinds, m_scale, v_scale, master_scale) -> list[tuple[str, str, torch.Tensor]]:
-    """The states stored in scaled kinds, whose new scale comes from their new amax: (name, kind, scale)."""
-    k_m, k_v, k_master = kinds[:3]
-    return [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
-            if k != "none" and KINDS[k][1]]
-
-
 def _pieces(tensors, span: int | None) -> list:
     """The tensors whole (span None, or one that is not contiguous), or in slices of `span` elements."""
     n = max(t.numel() for t in tensors)
@@ -214,8 +208,8 @@ def _pieces(tensors, span: int | None) -> list:
 def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = False):
     """Pass one of the update (MS-AMP's first stage): the amax of each scaled state's new value, nothing written.
     Returns (amaxes or None, pass one's values when `keep` and the tensor was one piece)."""
-    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias = item
-    scaled = _scaled(kinds, m_scale, v_scale, master_scale)
+    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias, _ = item
+    scaled = scaled_states(kinds, m_scale, v_scale, master_scale)
     if not scaled:
         return None, None
     pieces = _pieces((p, g, m, v, master), span)
@@ -232,7 +226,7 @@ def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = F
 
 def _new_scales(item: tuple, kinds, amax):
     """The scales the new amaxes give the scaled states (stacked in _scaled's order), or None."""
-    scaled = _scaled(kinds, item[5], item[7], item[9])
+    scaled = scaled_states(kinds, item[5], item[7], item[9])
     return torch.stack([pow2_scale(amax[i], KINDS[k][2], s) for i, (_, k, s) in enumerate(scaled)]) \
         if scaled else None
 
@@ -240,9 +234,9 @@ def _new_scales(item: tuple, kinds, amax):
 def _write(item: tuple, lr, beta1, beta2, eps, kinds, scales, span=None, kept=None) -> None:
     """Pass two (the second stage): the new states computed again (or `kept` from pass one) and written with
     `scales` (_new_scales); the step counted."""
-    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias = item
-    k_m, k_v, k_master, rounding, own = kinds
-    scaled = _scaled(kinds, m_scale, v_scale, master_scale)
+    p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias, _ = item
+    k_m, k_v, k_master, rounding, own, _ = kinds
+    scaled = scaled_states(kinds, m_scale, v_scale, master_scale)
     new = {n: scales[i] for i, (n, _, _) in enumerate(scaled)}
     for pp, gg, mm, vv, ww in _pieces((p, g, m, v, master), span):
         m32, v32, w = kept if kept is not None else _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww,
@@ -260,11 +254,22 @@ def _write(item: tuple, lr, beta1, beta2, eps, kinds, scales, span=None, kept=No
     step += 1
 
 
+def _record_all(items: list[tuple], kinds) -> None:
+    """The written states' amaxes into each item's record (item[13]), for the next step's bounds."""
+    for item in items:
+        item[13].copy_(stored_amaxes(item, kinds))
+
+
 def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> None:
     """One AdamW step in fp32 on stored states (in place) for every tensor of a chunk, eagerly: two passes over
     memory (amaxes, then the writes), so no fp32 copy of a state is kept; a CPU walks each tensor in slices of
     `span` elements (its temporaries stay in cache). A tensor in one piece keeps pass one's values for pass two.
     A CPU compiles it as one graph for large tensors (see LowbitAdamW._compiles)."""
+    if kinds[5] == "bound":  # one pass: the scales from bounds, the written states' amaxes recorded
+        for item, new in zip(items, bound_scales(items, lr, beta1, beta2, kinds)):
+            _write(item, lr, beta1, beta2, eps, kinds, new, span)
+        _record_all(items, kinds)
+        return
     keep = not torch.compiler.is_compiling()  # compiled (a CPU's one graph), recomputing costs less than storing
     for item in items:
         amax, kept = _amaxes(item, lr, beta1, beta2, eps, kinds, span, keep=keep)
@@ -285,10 +290,15 @@ def _write_all(items: list[tuple], lr, beta1, beta2, eps, kinds, scales) -> None
         _write(item, lr, beta1, beta2, eps, kinds, new)
 
 
-def _update_compiled(amaxes_fn, write_fn):
-    """The update as the two compiled passes."""
+def _update_compiled(amaxes_fn, write_fn, record_fn):
+    """The update as the two compiled passes; with bounded scales, the writes and then the reductions that record
+    the written states' amaxes (in one graph with the writes, inductor ran each tensor's on one block of threads)."""
     def update(items, lr, beta1, beta2, eps, kinds, span=None):
-        write_fn(items, lr, beta1, beta2, eps, kinds, amaxes_fn(items, lr, beta1, beta2, eps, kinds))
+        if kinds[5] == "bound":
+            write_fn(items, lr, beta1, beta2, eps, kinds, bound_scales(items, lr, beta1, beta2, kinds))
+            record_fn(items, kinds)
+        else:
+            write_fn(items, lr, beta1, beta2, eps, kinds, amaxes_fn(items, lr, beta1, beta2, eps, kinds))
     return update
 
 
@@ -349,6 +359,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         self._compile = compile
         self._compiled: dict[str, object] = {}
         self._placeholder: dict[torch.device, torch.Tensor] = {}
+        self._amax: dict[torch.Tensor, torch.Tensor] = {}  # bounded scales: each parameter's states' last amaxes
         self.cuda_graphs = cuda_graphs  # on a GPU: the update and the stored norms replayed (lowbit.optim.graphs)
         self._graphed: dict[tuple, Graphed] = {}  # (what, device) -> its graph
         self._lr: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -496,7 +507,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         if key not in self._compiled:
             static = lambda f: _with_recompile_limit(torch.compile(f, dynamic=False))  # noqa: E731
             if fn is _update_all and _passes_apart(device):  # static shapes (see _chunks), the passes in two graphs
-                compiled = _update_compiled(static(_amaxes_all), static(_write_all))
+                compiled = _update_compiled(static(_amaxes_all), static(_write_all), static(_record_all))
                 self._compiled[key] = update_kernel.with_fallback(compiled)  # Triton's passes where they apply
             elif fn is _accumulate_all and _passes_apart(device):  # likewise, runs of one shape (see _take_grad)
                 self._compiled[key] = _accumulate_compiled(static(_sum_amaxes), static(_store_sums))
@@ -534,25 +545,13 @@ class LowbitAdamW(torch.optim.Optimizer):
                 continue
             device = pairs[0][0].device
             updates.setdefault(device, [])
-            none = self._placeholder.setdefault(device, torch.ones((), device=device))  # for absent states
             own = prec.weights == "fp16"  # ScaledFP16Weights: their data and scale are the master, updated in place
-            items = []
-            for (p, g), wd in zip(pairs, wd_of):
-                st = self.state[p]
-                store = self._grads.get(p)
-                grad = (store.data, store.scale, store.kind) if store is not None else (local(g), none, "fp32")
-                # detached: a Parameter's shape is static to dynamo (a graph per weight shape), a tensor's is not
-                w, master = (none, (p._data, p._scale)) if own else \
-                    (local(p).detach(), (st.get("master", none), st.get("master_scale", none)))
-                # a CPU's bias corrections computed here, once (see _fresh); a GPU's in its graphs, which replay
-                bias = _bias(st["step"], beta1, beta2) if device.type == "cpu" else None
-                items.append((w, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
-                              *master, st["step"], wd, bias))
+            kinds = (prec.exp_avg, prec.exp_avg_sq, "fp16" if own else prec.master, prec.rounding, own, prec.scales)
+            items = self._items(pairs, wd_of, device, beta1, beta2, kinds)
             lr = self._lr.get((gi, device))  # a tensor: no recompiles as lr changes, and a graph reads it
             if lr is None:
                 lr = self._lr[(gi, device)] = torch.zeros((), device=device)
             lr.fill_(group["lr"])
-            kinds = (prec.exp_avg, prec.exp_avg_sq, "fp16" if own else prec.master, prec.rounding, own)
             for chunk in _chunks(items):  # eager on a CPU: in slices; compiled: whole tensors, fused
                 numel = chunk[0][1].numel()
                 span = None if self._compiles(_update_all, device, numel) else SPAN
@@ -565,6 +564,29 @@ class LowbitAdamW(torch.optim.Optimizer):
 
             self._replayed("update", device, lambda calls=calls: calls, run)
         return loss
+
+    def _items(self, pairs, wd_of, device, beta1: float, beta2: float, kinds) -> list[tuple]:
+        """The update's view of each (parameter, gradient): its stored gradient, moments and master (with their
+        scales), step, weight decay, a CPU's bias corrections and, with bounded scales, the record of its states'
+        last amaxes (measured from the states when there is none: a first step, a load)."""
+        none = self._placeholder.setdefault(device, torch.ones((), device=device))  # for absent states
+        own = kinds[4]
+        items = []
+        for (p, g), wd in zip(pairs, wd_of):
+            st = self.state[p]
+            store = self._grads.get(p)
+            grad = (store.data, store.scale, store.kind) if store is not None else (local(g), none, "fp32")
+            # detached: a Parameter's shape is static to dynamo (a graph per weight shape), a tensor's is not
+            w, master = (none, (p._data, p._scale)) if own else \
+                (local(p).detach(), (st.get("master", none), st.get("master_scale", none)))
+            # a CPU's bias corrections computed here, once (see _fresh); a GPU's in its graphs, which replay
+            bias = _bias(st["step"], beta1, beta2) if device.type == "cpu" else None
+            item = (w, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
+                    *master, st["step"], wd, bias)
+            if kinds[5] == "bound" and p not in self._amax:
+                self._amax[p] = stored_amaxes(item + (none,), kinds)
+            items.append(item + (self._amax.get(p, none),))
+        return items
 
     def _grad_for_step(self, p):
         """What marks `p` as having a gradient this step (the data itself is read in the update)."""
@@ -632,8 +654,8 @@ class LowbitAdamW(torch.optim.Optimizer):
         if not isinstance(saved, list) or len(saved) != len(groups):
             raise LowbitError(f"optimizer state: {len(saved) if isinstance(saved, list) else 'no'} parameter groups "
                               f"saved, this model has {len(groups)} (another model or recipe)")
-        def storage(prec):  # rounding is how states are written, not what they are: it may change on resume
-            return {k: v for k, v in (prec or {}).items() if k != "rounding"}
+        def storage(prec):  # rounding and scales are how states are written, not what: they may change on resume
+            return {k: v for k, v in (prec or {}).items() if k not in ("rounding", "scales")}
 
         for i, (g, s) in enumerate(zip(groups, saved)):
             if check_sizes and len(g["params"]) != len(s.get("params", ())):
@@ -644,6 +666,7 @@ class LowbitAdamW(torch.optim.Optimizer):
                                   f"run asks for {storage(g['precision'])} (another recipe or [optim] setting)")
         for g, s in zip(groups, saved):
             g.update({k: v for k, v in s.items() if k not in ("params", "precision")})
+        self._amax.clear()  # the states are about to be replaced: their amaxes are measured again when needed
 
     # ---- checkpoints: states are restored exactly as stored (torch's default would cast them to the weights'
     # dtype, turning an FP8 moment into bf16) ----

@@ -35,7 +35,9 @@ ALLOWED = {
     "exp_avg": ("fp32", "bf16", "e4m3"),
     "exp_avg_sq": ("fp32", "bf16", "fp16", "e4m3", "e5m2"),
     "rounding": ("nearest", "stochastic"),
+    "scales": ("amax", "bound"),
 }
+STORED = ("weights", "master", "grads", "exp_avg", "exp_avg_sq")  # the fields that name a storage kind
 # kind -> (smallest normal exponent, mantissa bits): the grid stochastic rounding rounds onto. bf16's exponent
 # floor is -119, not -126: its smallest grid step stays a normal fp32 (2^-126), which GPU flush-to-zero math can't
 # zero; below 2^-119 it rounds on a coarser grid than bf16's subnormals, still exactly representable and unbiased.
@@ -50,7 +52,9 @@ class StatePrecision:
     master: a separate copy the update is applied to (`none`: the weights are the master). grads: what a
     gradient is kept in between backward and the step. rounding: how the update writes the states it keeps
     (exp_avg, exp_avg_sq, master, and bf16 or fp16 weights that are their own master), nearest or stochastic;
-    gradients, and weights written from a master, always round to nearest."""
+    gradients, and weights written from a master, always round to nearest. scales: how a scaled state's new scale
+    is chosen: from its new amax (`amax`, MS-AMP's two stages: two passes over memory), or from a bound of it that
+    the last step's amaxes and the gradient's scale give (`bound`: one pass; see adamw.bounds)."""
 
     weights: str = "fp32"
     master: str = "none"
@@ -58,6 +62,7 @@ class StatePrecision:
     exp_avg: str = "fp32"
     exp_avg_sq: str = "fp32"
     rounding: str = "nearest"
+    scales: str = "amax"
 
     def __post_init__(self):
         for key, allowed in ALLOWED.items():
@@ -75,11 +80,11 @@ class StatePrecision:
 
     @property
     def all_fp32(self) -> bool:
-        return replace(self, rounding="nearest") == StatePrecision()  # fp32 storage: nothing to round
+        return replace(self, rounding="nearest", scales="amax") == StatePrecision()  # fp32: nothing to round or scale
 
     def bytes_per_param(self) -> dict[str, float]:
         """The theoretical figure: bytes per parameter by category (per-tensor scales left out)."""
-        size = {k: 0 if v == "none" else KINDS[v][0].itemsize for k, v in asdict(self).items() if k != "rounding"}
+        size = {k: 0 if v == "none" else KINDS[v][0].itemsize for k, v in asdict(self).items() if k in STORED}
         return {**size, "total": sum(size.values())}
 
 

@@ -28,6 +28,7 @@ import torch
 
 from lowbit.numerics.kernels import ENABLED as KERNELS, triton
 from lowbit.optim.precision import KINDS
+from lowbit.optim.state_bounds import bound_table
 
 ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program (pass one), warps per program
@@ -150,6 +151,51 @@ if triton is not None:
             tl.store(buf_ptr + 6, new_w)
 
 
+    @triton.jit
+    def _put(ptr, offs, mask, x, scale, inv, SCALED: tl.constexpr, FMAX: tl.constexpr):
+        """_store, returning the magnitude of the value stored (decoded), for the record of the amaxes."""
+        if SCALED:
+            x = x * scale
+            x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
+        q = x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(ptr + offs, q, mask=mask)
+        y = q.to(tl.float32)
+        if SCALED:
+            y = y * inv
+        return _abs(y, mask)
+
+    @triton.jit
+    def _once_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr, n,
+                     wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
+                     W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr, W_MAX: tl.constexpr,
+                     WRITE_P: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        """The update in one pass (bounded scales): the states written with the scales at new_ptr (m, v, w), the
+        amaxes of what is written reduced into buf[8:11] by atomic max."""
+        ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
+        nm, nv, nw = tl.load(new_ptr), tl.load(new_ptr + 1), tl.load(new_ptr + 2)
+        inm, inv, inw = _inverse(new_ptr), _inverse(new_ptr + 1), _inverse(new_ptr + 2)
+        am = tl.zeros([BLOCK], dtype=tl.float32)
+        av = tl.zeros([BLOCK], dtype=tl.float32)
+        aw = tl.zeros([BLOCK], dtype=tl.float32)
+        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+        for i in range(ITERS):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1,
+                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
+            am = tl.maximum(am, _put(m_ptr, offs, mask, m, nm, inm, M_SCALED, M_MAX))
+            av = tl.maximum(av, _put(v_ptr, offs, mask, v, nv, inv, V_SCALED, V_MAX))
+            aw = tl.maximum(aw, _put(w_ptr, offs, mask, w, nw, inw, W_SCALED, W_MAX))
+            if WRITE_P:
+                _store(p_ptr, offs, mask, w, 1.0, False, 1.0)
+        if M_SCALED:  # an unscaled state's record stays 0, as adamw's stored_amaxes gives it
+            tl.atomic_max(buf_ptr + 8, tl.max(am, axis=0))
+        if V_SCALED:
+            tl.atomic_max(buf_ptr + 9, tl.max(av, axis=0))
+        if W_SCALED:
+            tl.atomic_max(buf_ptr + 10, tl.max(aw, axis=0))
+
+
 def _scaled(kind: str) -> bool:
     return kind != "none" and KINDS[kind][1]
 
@@ -166,38 +212,59 @@ def supported(items: list[tuple], kinds) -> bool:
     return True
 
 
-def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps: float, kinds) -> None:
-    """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place."""
-    k_m, k_v, k_master, _, own = kinds
+def _prepare(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, kinds):
+    """The per-call constants of a chunk: the kernels' flags and ranges, and a buffer per item (amaxes, then the
+    bias corrections adamw._bias computes at [3] and [7], the new scales at [4:7], bounded amaxes at [8:11])."""
+    k_m, k_v, k_master = kinds[:3]
     from_master = k_master != "none"
     flags = dict(M_SCALED=_scaled(k_m), V_SCALED=_scaled(k_v), W_SCALED=_scaled(k_master))
     maxes = dict(M_MAX=KINDS[k_m][2], V_MAX=KINDS[k_v][2], W_MAX=KINDS[k_master][2] if from_master else 1.0)
-    buf = torch.zeros(len(items), 8, device=lr.device)
-    coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
-    t = torch.stack([item[10] for item in items]) + 1  # the bias corrections as adamw._bias computes them
+    buf = torch.zeros(len(items), 12, device=lr.device)
+    t = torch.stack([item[10] for item in items]) + 1
     buf[:, 3], buf[:, 7] = 1 - beta1 ** t, torch.sqrt(1 - beta2 ** t)
+    return flags, maxes, buf
+
+
+def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps: float, kinds) -> None:
+    """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place: two
+    kernels per tensor, or one where the scales are bounded (kinds[5] == "bound")."""
+    flags, maxes, buf = _prepare(items, lr, beta1, beta2, kinds)
+    once = kinds[5] == "bound"
+    table = bound_table(items, lr, beta1, beta2, kinds) if once else None
+    from_master, own = kinds[2] != "none", kinds[4]
+    coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
     scales, news, steps = [], [], []
     with torch.cuda.device(lr.device) if lr.is_cuda else contextlib.nullcontext():  # Triton's interpreter: CPU
-        for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _) in enumerate(items):
+        for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _, _) in enumerate(items):
             n = g.numel()
-            w = master if from_master else p
-            args = (g, m, v, w)
-            scale_args = (gs, ms, vs, ws)
-            consts = dict(G_SCALED=_scaled(g_kind), **flags)
-            if any(flags.values()):
-                _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, *scale_args, lr, buf[i], n, wd, **coef,
-                                                               **consts, BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS)
-            _write_kernel[(triton.cdiv(n, BLOCK),)](*args, p, *scale_args, lr, buf[i], n, wd, **coef,
-                                                    **consts, **maxes, WRITE_P=from_master and not own, BLOCK=BLOCK,
-                                                    num_warps=WARPS)
+            args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i])
+            consts = dict(G_SCALED=_scaled(g_kind), **flags, **maxes, WRITE_P=from_master and not own)
+            if once:
+                _once_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, table[i], n, wd, **coef, **consts,
+                                                               BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS)
+            else:
+                _two_passes(args, n, wd, coef, consts)
             for j, (name, s) in enumerate((("m", ms), ("v", vs), ("w", ws))):
                 if flags[f"{name.upper()}_SCALED"]:
                     scales.append(s)
-                    news.append(buf[i, 4 + j])
+                    news.append(table[i, j] if once else buf[i, 4 + j])
             steps.append(step)
     if scales:
         torch._foreach_copy_(scales, news)
+    if once:
+        torch._foreach_copy_([item[13] for item in items], list(buf[:, 8:11].unbind(0)))
     torch._foreach_add_(steps, 1)
+
+
+def _two_passes(args, n: int, wd: float, coef: dict, consts: dict) -> None:
+    """MS-AMP's two stages for one tensor: the amaxes (where a state is scaled), then the writes."""
+    g, m, v, w, p, *scale_args = args
+    if consts["M_SCALED"] or consts["V_SCALED"] or consts["W_SCALED"]:
+        pass_one = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED")}
+        _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](g, m, v, w, *scale_args, n, wd, **coef, **pass_one,
+                                                       BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS)
+    _write_kernel[(triton.cdiv(n, BLOCK),)](g, m, v, w, p, *scale_args, n, wd, **coef, **consts, BLOCK=BLOCK,
+                                            num_warps=WARPS)
 
 
 def available() -> bool:

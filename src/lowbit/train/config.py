@@ -122,6 +122,9 @@ class OptimConfig:
     rounding: str = opt("", "how the update writes the moments, the master copy and bf16 weights without one: "
                              "nearest | stochastic (unbiased: an E5M2 second moment can decay, small updates to bf16 "
                              "weights add up); empty: the recipe's (nearest)")
+    scales: str = opt("", "how the scaled states' new per-tensor scales are chosen: amax (of the new values: two "
+                          "passes over memory, MS-AMP's) | bound (from a bound of the new amax by the last step's "
+                          "amaxes and the gradient's scale: one pass); empty: the recipe's (amax)")
     cuda_graphs: bool = opt(True, "on a GPU, replay the optimizer's update and gradient-norm kernels as CUDA graphs "
                                   "(one launch per step instead of ~40 compiled calls; the same numbers)")
 

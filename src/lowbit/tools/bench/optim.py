@@ -13,7 +13,7 @@ import time
 import torch
 
 from lowbit.optim import update_kernel
-from lowbit.optim.precision import KINDS, StatePrecision
+from lowbit.optim.precision import KINDS, STORED, StatePrecision
 from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, Report, Table, device_name, error_row, release, \
     time_ms, variants
 
@@ -21,7 +21,7 @@ from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, Report, Table, device
 def update_bytes(prec: StatePrecision) -> int:
     """Bytes per parameter the update must move: read the weights (or the master), gradient and moments; write
     the moments, the weights and the master."""
-    size = {k: 0 if v == "none" else KINDS[v][0].itemsize for k, v in prec.__dict__.items() if k != "rounding"}
+    size = {k: 0 if v == "none" else KINDS[v][0].itemsize for k, v in prec.__dict__.items() if k in STORED}
     read = size["grads"] + size["exp_avg"] + size["exp_avg_sq"] + (size["master"] or size["weights"])
     return read + size["exp_avg"] + size["exp_avg_sq"] + size["weights"] + size["master"]
 
