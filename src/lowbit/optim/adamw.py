@@ -231,24 +231,45 @@ def _new_scales(item: tuple, kinds, amax):
         if scaled else None
 
 
-def _write(item: tuple, lr, beta1, beta2, eps, kinds, scales, span=None, kept=None) -> None:
+def _put(x, kind: str, scale, out, rounding: str, record: bool):
+    """store() into `out`; with `record`, the amax of what was stored. Rounding to nearest is monotonic in the
+    magnitude, so that is the stored form of x's amax: a reduction of x, which fuses into the loop that writes
+    (reading `out` back did not, compiled on a CPU); stochastic rounding is not, and reads the data it stored."""
+    if not record:
+        store(x, kind, scale, out=out, rounding=rounding)
+        return None
+    if rounding == "nearest":
+        store(x, kind, scale, out=out)
+        return decode(store(x.abs().amax(), kind, scale), kind, scale)
+    data = store(x, kind, scale, rounding=rounding)
+    out.copy_(data)
+    return decode(data, kind, scale).abs().amax()
+
+
+def _write(item: tuple, lr, beta1, beta2, eps, kinds, scales, span=None, kept=None, record: bool = False) -> None:
     """Pass two (the second stage): the new states computed again (or `kept` from pass one) and written with
-    `scales` (_new_scales); the step counted."""
+    `scales` (_new_scales); the step counted. `record`: the amaxes of the scaled states written, into item[13]
+    (bounded scales: what the next step's bounds start from)."""
     p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias, _ = item
     k_m, k_v, k_master, rounding, own, _ = kinds
     scaled = scaled_states(kinds, m_scale, v_scale, master_scale)
     new = {n: scales[i] for i, (n, _, _) in enumerate(scaled)}
+    seen = {}
     for pp, gg, mm, vv, ww in _pieces((p, g, m, v, master), span):
         m32, v32, w = kept if kept is not None else _fresh(pp, gg, g_scale, g_kind, mm, m_scale, vv, v_scale, ww,
                                                             master_scale, step, wd, bias, lr, beta1, beta2, eps, kinds)
-        store(m32, k_m, new.get("m", m_scale), out=mm, rounding=rounding)
-        store(v32, k_v, new.get("v", v_scale), out=vv, rounding=rounding)
+        now = {"m": _put(m32, k_m, new.get("m", m_scale), mm, rounding, record and "m" in new),
+               "v": _put(v32, k_v, new.get("v", v_scale), vv, rounding, record and "v" in new)}
         if k_master != "none":  # a low-precision master loses updates under half its ulp unless rounded stochastically
-            store(w, k_master, new.get("w", master_scale), out=ww, rounding=rounding)
+            now["w"] = _put(w, k_master, new.get("w", master_scale), ww, rounding, record and "w" in new)
         elif rounding == "stochastic" and p.dtype == torch.bfloat16:  # bf16 weights are their own master: the same
             w = stochastic_round(w, "bf16")
         if not own:  # `own`: the master is the weights' own storage (a ScaledFP16Weight), just written
             pp.copy_(w)
+        seen = {n: a if n not in seen else torch.maximum(seen[n], a) for n, a in now.items() if a is not None}
+    if record:
+        for n, a in seen.items():
+            item[13]["mvw".index(n)] = a
     for n, _, s in scaled:
         s.copy_(new[n])
     step += 1
@@ -257,7 +278,7 @@ def _write(item: tuple, lr, beta1, beta2, eps, kinds, scales, span=None, kept=No
 def _record_all(items: list[tuple], kinds) -> None:
     """The written states' amaxes into each item's record (item[13]), for the next step's bounds."""
     for item in items:
-        item[13].copy_(stored_amaxes(item, kinds))
+        item[13].copy_(stored_amaxes(kinds, *item[4:10]))
 
 
 def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> None:
@@ -267,8 +288,7 @@ def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> 
     A CPU compiles it as one graph for large tensors (see LowbitAdamW._compiles)."""
     if kinds[5] == "bound":  # one pass: the scales from bounds, the written states' amaxes recorded
         for item, new in zip(items, bound_scales(items, lr, beta1, beta2, kinds)):
-            _write(item, lr, beta1, beta2, eps, kinds, new, span)
-        _record_all(items, kinds)
+            _write(item, lr, beta1, beta2, eps, kinds, new, span, record=True)
         return
     keep = not torch.compiler.is_compiling()  # compiled (a CPU's one graph), recomputing costs less than storing
     for item in items:
@@ -584,7 +604,7 @@ class LowbitAdamW(torch.optim.Optimizer):
             item = (w, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
                     *master, st["step"], wd, bias)
             if kinds[5] == "bound" and p not in self._amax:
-                self._amax[p] = stored_amaxes(item + (none,), kinds)
+                self._amax[p] = stored_amaxes(kinds, *item[4:10])
             items.append(item + (self._amax.get(p, none),))
         return items
 

@@ -70,10 +70,9 @@ def bound_scales(items: list[tuple], lr, beta1: float, beta2: float, kinds) -> l
     return [torch.stack([table[i, c] for c in cols]) for i in range(len(items))]
 
 
-def stored_amaxes(item: tuple, kinds) -> torch.Tensor:
-    """The amaxes of an item's stored m, v and master (0 for one not stored in a scaled kind): what `bounds`
-    starts from."""
-    m, m_scale, v, v_scale, master, master_scale = item[4:10]
+def stored_amaxes(kinds, m, m_scale, v, v_scale, master, master_scale) -> torch.Tensor:
+    """The amaxes of stored m, v and master (0 for one not stored in a scaled kind), (3,): what `bounds` starts
+    from. Elementwise in the tensors, so slices give a piece of the whole's (their maximum)."""
     out = torch.zeros(3, device=m.device)
     for n, k, s in scaled_states(kinds, m_scale, v_scale, master_scale):
         data = {"m": m, "v": v, "w": master}[n]
