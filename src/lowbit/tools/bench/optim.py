@@ -110,7 +110,7 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                    "for the parameters it does not cover, and torchao's). bytes/param moved: what the update must "
                    "read and write at the recipe's storage, averaged over covered and fp32 parameters"
                    + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
-                   + ". The lowbit update reads its inputs twice (amaxes, then the writes), once with optim.scales=bound; "
-                   "(compiled): its two "
-                   "passes by torch.compile, (Triton): src/lowbit/optim/update_kernel.py's two kernels.")
+                   + ". The lowbit update reads its inputs twice (amaxes, then the writes), once with "
+                   "optim.scales=bound; (compiled): its passes by torch.compile, (Triton): "
+                   "src/lowbit/optim/update_kernel.py's kernels.")
     report.save(complete=False)
