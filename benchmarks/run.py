@@ -92,7 +92,11 @@ STEPS: tuple[Step, ...] = (
          ("python3 benchmarks/step_1b.py --steps 10 --out {out}/step_1b_hf_{dev}.json",), ("step_1b_hf_{dev}.json",)),
     Step("mlp-7b", "the 7B MLP compiled and eager, and the quantization kernel",
          (bench("mlp --recipes bf16,fp8-tensorwise --torchao tensorwise", "mlp_7b_{dev}.json"),
-          bench("mlp --eager --recipes bf16,fp8-tensorwise --torchao tensorwise", "mlp_7b_eager_{dev}.json")),
+          bench("mlp --eager --recipes bf16,fp8-tensorwise --torchao tensorwise", "mlp_7b_eager_{dev}.json"),
+          # the prose's numbers beside the tables: torch's quantize passes eagerly, the Triton kernels' settings
+          "LOWBIT_TRITON=0 " + bench("mlp --eager --recipes fp8-tensorwise --no-bf16 --torchao none",
+                                     "mlp_7b_eager_torch_{dev}.json"),
+          "python3 benchmarks/quantize_sweep.py --out {out}/quantize_sweep_{dev}.json"),
          ("mlp_7b_{dev}.json", "mlp_7b_eager_{dev}.json")),
     Step("gemm-7b", "the 7B MLP's GEMMs", (bench("gemm", "gemm_7b_mlp_{dev}.json"),), ("gemm_7b_mlp_{dev}.json",)),
     Step("memory-1b", "activations saved for backward at 1b",
