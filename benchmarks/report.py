@@ -15,8 +15,10 @@ The path is relative to benchmarks/, the key is one of the JSON's "tables". Opti
   `commit=HASH`: the commit the run measured, when the JSON's meta does not say (`lowbit bench` does not record
     it); `added=HASH`: only the commit that added the result file is known.
 Between the markers goes the run's line (device | torch | torchao | date | command, from the JSON's "meta", as
-`lowbit bench` prints it, then the commit; "incomplete" when the run ended before its last row), then the table
-and its notes, rendered by `lowbit bench`'s own Table. Every line outside the markers stays as it is.
+`lowbit bench` prints it, overridden by the table's own "meta" where a file gathers tables of several runs; then the
+commit, the file's provenance where it has one, "incomplete" when the run ended before its last row, and the step
+of benchmarks/run.py that rewrites the file), then the table and its notes, rendered by `lowbit bench`'s own
+Table. Every line outside the markers stays as it is. A file that no step of run.py writes is an error.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ that every table has a step. With the default --out (benchmarks/results/) a run 
 at the files it wrote (a run on an H100 replaces the H200 files' tables), stamps each file with the commit it
 measured, and calls report.py. Text outside the tables (the analysis) is not rewritten: read the new numbers.
 
-Without --only, the suite runs every one-GPU and CPU step in the order below (about 45 minutes on one H200).
+Without --only, the suite runs every one-GPU and CPU step in the order below.
 Multi-GPU steps (`gpus` 2) are not part of it: they run only when --only names them, on a host with 2 GPUs, and
 their commands write raw results (JSON lines) from which their tables' JSON is written by hand today. Steps
 written by hand (`goals`) run nothing.
