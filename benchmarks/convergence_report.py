@@ -7,15 +7,140 @@ OUT/convergence.json and OUT/convergence.png and prints the tables.
 
   python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR] [--window STEPS]
       [--command CMD --torch VERSION --date DATE]   (when RUNS_DIR has no compare.json: compare was stopped)
+  python benchmarks/convergence_report.py --doc          # rewrite docs/convergence.md's results table
+  python benchmarks/convergence_report.py --check-doc    # exit 1 if that table is out of date
+
+The results table (`--doc`) is made from the committed results in benchmarks/results/convergence/: each row's runs
+(ROWS below), their gap to bf16 of the same seed over the last 64 steps each reached, and at the last validation
+step both have.
 """
 
 import argparse
 import json
 import re
+import sys
 from pathlib import Path
 
 from lowbit.numerics.recipes import RECIPES
 from lowbit.tools.compare import LAST_N, _gap, plot, read_run, split_entry, table
+
+# ---- docs/convergence.md's results table, from the committed results (`--doc`, `--check-doc`) ----
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "convergence"
+DOC = ROOT / "docs" / "convergence.md"
+DOC_COMMAND = "python benchmarks/convergence_report.py --doc"
+T3 = "third_series/"
+# One row per recipe as it is named now: (label, goal %, runs), each run (result, run name in it) at seeds 0, 1...
+# A result is a convergence.json written by this script (its runs' per-step losses, bf16 of each seed beside them)
+# or a run dir (its metrics.jsonl; paired with the committed bf16 run dir of its seed). Runs named by the recipe's
+# defaults of their day: the third series' plain fp8lm-o2 had bf16 weights, its plain nanotron-r2 rounded to nearest.
+ROWS = [
+    ("fp8-tensorwise + `--numerics.keep_first_last true`", 0.5,
+     [(T3 + "keep_first_last_seeds_fp4_k2.json", "fp8-tensorwise+numerics.keep_first_last=true" + s)
+      for s in ("", "+train.seed=1", "+train.seed=2")]),
+    ("fp8-tensorwise", 0.5, [(T3 + "fp8lm-o2_knobs.json", "fp8-tensorwise"),
+                             (T3 + "seed1_and_fp4.json", "fp8-tensorwise+train.seed=1")]),
+    ("fp8-delayed", 0.5, [(T3 + "fp8-delayed_nanotron-r2.json", "fp8-delayed")]),
+    ("fp8lm (FP8-LM GEMMs, fp32 optimizer)", 0.5, [(T3 + "fp8lm-o2_knobs.json", "fp8lm"),
+                                                   (T3 + "seed1_and_fp4.json", "fp8lm+train.seed=1")]),
+    ("fp8lm-o2 with bf16 weights (`+optim.weights=bf16`)", 0.5,
+     [(T3 + "fp8lm-o2_knobs.json", "fp8lm-o2+train.compile_scope=blocks"),
+      (T3 + "seed1_and_fp4.json", "fp8lm-o2+train.seed=1")]),
+    ("fp8lm-o2 (FP16 weights with a per-tensor scale, its default)", 0.5,
+     [("fp8lm-o2_fp16_weights_h200/convergence.json", "fp8lm-o2+optim.weights=fp16")]),
+    ("nanotron-r2 rounded to nearest (`+optim.rounding=nearest`)", 0.5,
+     [(T3 + "fp8-delayed_nanotron-r2.json", "nanotron-r2")]),
+    ("nanotron-r2 (moments rounded stochastically, its default)", 0.5, [("nanotron-r2_stochastic_h200", "")]),
+    ("fp4 + `--numerics.dge_k 2`", 2.0, [(T3 + "keep_first_last_seeds_fp4_k2.json", "fp4+numerics.dge_k=2"),
+                                        (T3 + "keep_first_last_seeds_fp4_k2.json", "fp4+numerics.dge_k=2+train.seed=1")]),
+    ("fp4 (DGE k = 5, the paper's)", 2.0, [(T3 + "seed1_and_fp4.json", "fp4")]),
+]
+
+
+def _losses(result: str, name: str) -> tuple[dict, dict, dict, dict, dict]:
+    """(train, val) of the run and (train, val) of bf16 of its seed, each {step: loss}; and the result's facts."""
+    seed = re.search(r"\+train\.seed=(\d+)", name)
+    base = f"bf16+train.seed={seed.group(1)}" if seed else "bf16"
+    path = RESULTS / result
+    if path.is_dir():  # a run dir, beside the committed bf16 run of its seed
+        def read(d: Path) -> tuple[dict, dict]:
+            recs = [json.loads(x) for x in (d / "metrics.jsonl").read_text().splitlines() if x.strip()]
+            return ({r["step"]: r["loss"] for r in recs if r.get("loss") is not None},
+                    {r["step"]: r["val_loss"] for r in recs if "val_loss" in r})
+        return (*read(path), *read(RESULTS / T3 / "bf16_runs" / base), {"dir": result})
+    doc = json.loads(path.read_text())
+    runs = {r["recipe"]: r for r in doc["runs"]}
+    pick = lambda r, k: {int(s): v for s, v in r[k]}  # noqa: E731
+    return (pick(runs[name], "train"), pick(runs[name], "val"), pick(runs[base], "train"), pick(runs[base], "val"),
+            doc)
+
+
+def _pct(x: float) -> str:
+    s = f"{x:+.2f}%"
+    return "0.00%" if s in ("+0.00%", "-0.00%") else s
+
+
+def _row(label: str, goal: float, runs: list) -> tuple[dict, list[dict]]:
+    train_cells, val_cells, gaps, facts = [], [], [], []
+    for result, name in runs:
+        t, v, bt, bv, f = _losses(result, name)
+        facts.append(f)
+        end = max(t)
+        window = range(end - 63, end + 1)
+        gap = 100 * (sum(t[k] for k in window) / sum(bt[k] for k in window) - 1)
+        gaps.append(gap)
+        train_cells.append(_pct(gap) + ("" if end == 768 else f" (steps {window[0]}–{end})"))
+        at = max(set(v) & set(bv))
+        val_cells.append(_pct(100 * (v[at] / bv[at] - 1)) + ("" if at == 768 else f" (step {at})"))
+    mean = sum(gaps) / len(gaps)
+    met = [i for i, g in enumerate(gaps) if g <= goal]
+    alone = f"seed{'s' if len(met) > 1 else ''} {', '.join(map(str, met))} alone"
+    status = ("met" + (", one run" if len(gaps) == 1 else "") if len(met) == len(gaps)
+              else f"met on the mean ({alone})" if mean <= goal else f"missed ({alone})" if met else "missed")
+    train = ", ".join(train_cells) + (f" (mean {_pct(mean)})" if len(gaps) > 2 else "")
+    return ({"recipe": label, "seeds": ", ".join(str(i) for i in range(len(runs))), "train": train,
+             "val": ", ".join(val_cells), "goal": f"{goal:g}%: {status}"}, facts)
+
+
+def results_table() -> list[str]:
+    rows, facts = [], []
+    for label, goal, runs in ROWS:
+        row, f = _row(label, goal, runs)
+        rows.append(row)
+        facts += f
+    dates = sorted({f["date"][:10] for f in facts if "date" in f})
+    torch_v = sorted({f["torch"] for f in facts if "torch" in f})
+    line = (f"NVIDIA H200 | torch {', '.join(torch_v)} | {dates[0]} to {dates[-1]} | `lowbit compare` runs of "
+            f"`benchmarks/convergence_study.sh` (commits: *Run data*) | rewritten by `{DOC_COMMAND}` from "
+            f"`benchmarks/results/convergence/`")
+    out = [line, "", "| recipe (gaps to bf16 of the same seed) | seeds | train gap, last 64 steps | val gap at the end "
+           "| goal (train gap) |", "|---|---:|---:|---:|---|"]
+    out += [f"| {r['recipe']} | {r['seeds']} | {r['train']} | {r['val']} | {r['goal']} |" for r in rows]
+    return out
+
+
+def doc_main(check: bool) -> int:
+    begin, end = "<!-- table: convergence results -->", "<!-- end table -->"
+    lines = DOC.read_text().split("\n")
+    try:
+        i = lines.index(begin) + 1
+        j = lines.index(end, i)
+    except ValueError:
+        print(f"{DOC}: no {begin} ... {end}", file=sys.stderr)
+        return 2
+    new = lines[:i] + results_table() + lines[j:]
+    if check:
+        same = new == lines
+        print(f"{DOC.name}: results table {'up to date' if same else 'out of date'}")
+        return 0 if same else 1
+    DOC.write_text("\n".join(new))
+    print(f"{DOC.name}: results table rewritten")
+    return 0
+
+
+if __name__ == "__main__" and sys.argv[1:2] in (["--doc"], ["--check-doc"]):
+    sys.exit(doc_main(sys.argv[1] == "--check-doc"))
+
 
 p = argparse.ArgumentParser()
 p.add_argument("runs", type=Path)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from lowbit.numerics.recipes import RECIPES
 
 README = (Path(__file__).parent.parent / "README.md").read_text()
@@ -126,3 +128,11 @@ def test_script_tables_are_made_from_the_rows_they_store():
     ]:
         doc = json.loads((BENCH / "results" / file).read_text())
         assert doc["tables"][key]["rows"] == make(_load(script), doc["rows"]), file
+
+
+@pytest.mark.slow
+def test_convergence_results_table_is_its_json():
+    root = BENCH.parent
+    out = subprocess.run([sys.executable, str(BENCH / "convergence_report.py"), "--check-doc"], cwd=root,
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root / "src")})
+    assert out.returncode == 0, out.stdout + out.stderr
