@@ -11,10 +11,10 @@ that every table has a step. With the default --out (benchmarks/results/) a run 
 at the files it wrote (a run on an H100 replaces the H200 files' tables), stamps each file with the commit it
 measured, and calls report.py. Text outside the tables (the analysis) is not rewritten: read the new numbers.
 
-Without --only, the suite runs every one-GPU and CPU step in the order below.
-Multi-GPU steps (`gpus` 2) are not part of it: they run only when --only names them, on a host with 2 GPUs, and
-their commands write raw results (JSON lines) from which their tables' JSON is written by hand today. Steps
-written by hand (`goals`) run nothing.
+Without --only, the suite runs every one-GPU and CPU step in the order below. Multi-GPU steps (`gpus` 2) are not
+part of it: they run only when --only names them, on a host with 2 GPUs. `grad-sync` writes its table; the
+`multi-gpu-*` commands write raw results (JSON lines, markdown tables) from which their tables' JSON is written by
+hand. The `goals` step, a summary edited by hand, runs nothing.
 
 Why a table of steps in Python rather than shell scripts: the test reads it (every table has a step), the report
 reads it (each table names its rerun command), and --list/--dry-run cost nothing on a machine without a GPU.
@@ -132,7 +132,7 @@ STEPS: tuple[Step, ...] = (
          ("multi_gpu_{dev}_tables.json#fsdp_fp8_gather",), 2, by_hand=MULTI),
     Step("grad-sync", "two GPUs: the gradient exchange alone",
          ("torchrun --nproc-per-node 2 benchmarks/grad_sync_bench.py --out {out}/grad_sync_{dev}.json",),
-         ("grad_sync_{dev}.json",), 2, by_hand="its timings are written by the command; the table's rows by hand"),
+         ("grad_sync_{dev}.json",), 2),
 )
 
 

@@ -121,14 +121,17 @@ def test_train_table_reads_a_run_directory(tmp_path):
 
 
 def test_script_tables_are_made_from_the_rows_they_store():
-    """performer.py and comm_bytes.py write their table beside their raw rows: the stored tables are those rows'."""
+    """performer.py, comm_bytes.py and grad_sync_bench.py write their table beside their raw results: the stored
+    tables are those results'."""
     for script, file, key, make in [
         ("performer", "performer_h200.json", "performer",
          lambda m, raw: [m.performer_row(r, ["sdpa", "performer c256", "performer c1024"]) for r in raw]),
         ("comm_bytes", "comm_bytes_cpu.json", "bytes", lambda m, raw: [m.bytes_row(r, raw) for r in raw]),
+        ("grad_sync_bench", "grad_sync_h200x2.json", "exchange", lambda m, doc: m.exchange_table(doc)[1]),
     ]:
         doc = json.loads((BENCH / "results" / file).read_text())
-        assert doc["tables"][key]["rows"] == make(_load(script), doc["rows"]), file
+        raw = doc if script == "grad_sync_bench" else doc["rows"]
+        assert doc["tables"][key]["rows"] == make(_load(script), raw), file
 
 
 @pytest.mark.slow
