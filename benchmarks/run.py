@@ -300,9 +300,10 @@ def wheels() -> list[str]:
 
 
 def run_step(s: Step, out: Path, limit_s: int, extra: list[str]) -> list[str]:
-    """Run one step's commands (each under `timeout`), log in OUT/<step>_<dev>_log.txt; the files it wrote."""
+    """Run one step's commands (each under `timeout`), their output in OUT/<first result's name>_log.txt; the
+    result files it wrote."""
     dev = device_tag(s.gpus)
-    log = out / f"{s.name}_{dev}_log.txt"
+    log = out / (s.outputs[0].split("#")[0].replace(DEV, dev).removesuffix(".json") + "_log.txt")
     path = extra + [str(ROOT / "src")] + [x for x in [os.environ.get("PYTHONPATH")] if x]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path)}
     where = os.path.relpath(out, ROOT) if out.is_relative_to(ROOT) else str(out)

@@ -140,3 +140,13 @@ def test_convergence_results_table_is_its_json():
     out = subprocess.run([sys.executable, str(BENCH / "convergence_report.py"), "--check-doc"], cwd=root,
                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(root / "src")})
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_suite_step_runs_its_commands_logs_them_and_stamps_the_commit(tmp_path):
+    run = _load("run")
+    write = "python3 -c \"import json; json.dump({'meta': {'device': 'cpu'}}, open('{out}/x_{dev}.json', 'w'))\""
+    step = run.Step("x", "a CPU step", (write, "echo measured"), ("x_{dev}.json",), 0)
+    assert run.run_step(step, tmp_path, 60, []) == ["x_cpu.json"]
+    assert "measured" in (tmp_path / "x_cpu_log.txt").read_text()
+    run.stamp(tmp_path / "x_cpu.json", "abc1234")
+    assert json.loads((tmp_path / "x_cpu.json").read_text())["meta"] == {"device": "cpu", "commit": "abc1234"}
