@@ -84,7 +84,8 @@ def bytes_row(r: dict, rows: list[dict]) -> dict:
     bf16 = next((x["grad_bytes"] for x in rows if x["layout"] == r["layout"] and x["grad_sync"] == "bf16"), None)
     return {"layout": r["layout"], "grad_sync": r["grad_sync"], "grad": f"{r['grad_bytes']:,}",
             "vs_bf16": f"{r['grad_bytes'] / bf16:.3f}x" if bf16 else "", "cp": f"{r['cp_bytes']:,}",
-            "tp": f"{r['tp_bytes']:,}" if "tp_bytes" in r else "", "zero": f"{r['zero_bytes']:,}" if "zero_bytes" in r else ""}
+            "tp": f"{r['tp_bytes']:,}" if "tp_bytes" in r else "",  # rows written before it counted them
+            "zero": f"{r['zero_bytes']:,}" if "zero_bytes" in r else ""}
 
 
 if __name__ == "__main__":

@@ -153,7 +153,7 @@ def step_of(name: str, key: str = "") -> Step | None:
 
 def rerun_command(s: Step) -> str:
     if s.by_hand and not s.commands:
-        return f"hand ({s.by_hand})"
+        return "hand, after a run of the others"
     where = " on 2 GPUs, not part of the one-GPU suite" if s.gpus > 1 else ""
     return f"`python benchmarks/run.py --only {s.name}`{where}"
 
