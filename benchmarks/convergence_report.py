@@ -7,12 +7,12 @@ OUT/convergence.json and OUT/convergence.png and prints the tables.
 
   python benchmarks/convergence_report.py RUNS_DIR [--eager EAGER_RUNS_DIR] [--out DIR] [--window STEPS]
       [--command CMD --torch VERSION --date DATE]   (when RUNS_DIR has no compare.json: compare was stopped)
-  python benchmarks/convergence_report.py --doc          # rewrite docs/convergence.md's results table
-  python benchmarks/convergence_report.py --check-doc    # exit 1 if that table is out of date
+  python benchmarks/convergence_report.py --doc          # rewrite docs/convergence.md's tables
+  python benchmarks/convergence_report.py --check-doc    # exit 1 if one is out of date
 
-The results table (`--doc`) is made from the committed results in benchmarks/results/convergence/: each row's runs
-(ROWS below), their gap to bf16 of the same seed over the last 64 steps each reached, and at the last validation
-step both have.
+The doc's tables (`--doc`) are made from the committed results in benchmarks/results/convergence/: each row names
+its runs (ROWS and KNOBS below); a cell is a run's gap to bf16 of the same seed over 64 training steps, or at a
+validation step.
 """
 
 import argparse
@@ -77,7 +77,7 @@ def _losses(result: str, name: str) -> tuple[dict, dict, dict, dict, dict]:
 
 def _pct(x: float) -> str:
     s = f"{x:+.2f}%"
-    return "0.00%" if s in ("+0.00%", "-0.00%") else s
+    return "0.00%" if s in ("+0.00%", "-0.00%") else s.replace("-", "−")  # the doc's minus sign
 
 
 def _row(label: str, goal: float, runs: list) -> tuple[dict, list[dict]]:
@@ -102,6 +102,84 @@ def _row(label: str, goal: float, runs: list) -> tuple[dict, list[dict]]:
              "val": ", ".join(val_cells), "goal": f"{goal:g}%: {status}"}, facts)
 
 
+def _cell(result: str, name: str, kind: str, at: int | None) -> str:
+    """One run's gap to bf16 of its seed: "train" over the 64 steps ending at `at` (default: its last step), "val" at
+    step `at` (default: the last validation step both have); annotated where that is not step 768."""
+    t, v, bt, bv, _ = _losses(result, name)
+    if kind == "train":
+        end = at or max(t)
+        window = range(end - 63, end + 1)
+        return _pct(100 * (sum(t[k] for k in window) / sum(bt[k] for k in window) - 1)) + (
+            "" if at or end == 768 else f" (steps {window[0]}–{end})")
+    step = at or max(set(v) & set(bv))
+    return _pct(100 * (v[step] / bv[step] - 1)) + ("" if at or step == 768 else f" (step {step})")
+
+
+def _both(label, result: str, name: str) -> tuple:
+    """A knob table's row: its label cell(s), then the training window's gap and the last validation's."""
+    labels = label if isinstance(label, tuple) else (label,)
+    return labels, [(result, name, "train", None), (result, name, "val", None)]
+
+
+FP8LM, MOM, SCALE, KFL = (T3 + x for x in ("fp8lm-o2_knobs.json", "fp8lm-o2_moment_master.json", "scaling_knobs.json",
+                                           "keep_first_last_bf16_moments.json"))
+FP16W = "fp8lm-o2_fp16_weights_h200/convergence.json"
+# The knob tables: (header, rows); a row is (label cells, [(result, run, "train" | "val", step or None)...]).
+KNOBS = {
+    "scaling": (["run", "train 705–768", "val 768"], [
+        _both("fp8-tensorwise", FP8LM, "fp8-tensorwise"),
+        _both("fp8-tensorwise + `numerics.keep_first_last=true`", SCALE, "fp8-tensorwise+numerics.keep_first_last=true"),
+        _both("fp8-tensorwise + `numerics.margin=1`", SCALE, "fp8-tensorwise+numerics.margin=1"),
+        _both("fp8-tensorwise + `numerics.scaling=delayed` (history 16)", SCALE,
+              "fp8-tensorwise+numerics.scaling=delayed"),
+        _both("fp8-delayed", T3 + "fp8-delayed_nanotron-r2.json", "fp8-delayed"),
+        _both("fp8-delayed + `numerics.keep_first_last=true`", KFL, "fp8-delayed+numerics.keep_first_last=true")]),
+    "nanotron-r2": (["run", "train 705–768", "val 768"], [
+        _both("nanotron-r2, rounded to nearest", T3 + "fp8-delayed_nanotron-r2.json", "nanotron-r2"),
+        _both("+ `numerics.interval=1`", SCALE, "nanotron-r2+numerics.interval=1"),
+        _both("+ `numerics.keep_first_last=true`", KFL, "nanotron-r2+numerics.keep_first_last=true"),
+        _both("+ bf16 moments (`optim.exp_avg=bf16`, `optim.exp_avg_sq=bf16`)", KFL,
+              "nanotron-r2+optim.exp_avg=bf16+optim.exp_avg_sq=bf16"),
+        _both("rounded stochastically instead (`optim.rounding=stochastic`, now the default)",
+              "nanotron-r2_stochastic_h200", "")]),
+    "fp8lm-o2": (["run", "bytes/param (weights + states)", "train 705–768", "val 768"], [
+        _both(("fp8lm", "16"), FP8LM, "fp8lm"),
+        _both(("fp8lm-o2 with bf16 weights as master, E4M3 grads and m, scaled fp16 v", "6"), FP8LM,
+              "fp8lm-o2+train.compile_scope=blocks"),
+        _both(("+ `optim.weights=fp16` (scaled FP16 weights, their own master: the default now; compiled by block)",
+               "6"), FP16W, "fp8lm-o2+optim.weights=fp16"),
+        _both(("fp8lm-o2, compiled whole (a second run)", "6"), MOM, "fp8lm-o2"),
+        _both(("+ `optim.rounding=stochastic`", "6"), FP8LM, "fp8lm-o2+optim.rounding=stochastic"),
+        _both(("+ `optim.grads=bf16`", "7"), FP8LM, "fp8lm-o2+optim.grads=bf16"),
+        _both(("+ `optim.exp_avg=fp32` (compiled whole)", "9"), MOM, "fp8lm-o2+optim.exp_avg=fp32"),
+        _both(("+ `optim.master=fp16` (scaled; compiled whole)", "8"), MOM, "fp8lm-o2+optim.master=fp16"),
+        _both(("+ `optim.master=fp32`", "10"), FP8LM, "fp8lm-o2+optim.master=fp32")]),
+    "fp4": (["run", "seed 0: train 193–256", "seed 0: train 655–718", "seed 0: val 704", "seed 1: train 193–256",
+             "seed 1: train 632–695", "seed 1: val 640"], [
+        (("fp4 (DGE k = 5)",), [(r, n, k, at) for r, n, cols in (
+            (T3 + "seed1_and_fp4.json", "fp4", (("train", 256), ("train", 718), ("val", 704))),
+            (T3 + "fp4_dge.json", "fp4+train.seed=1", (("train", 256), ("train", 695), ("val", 640))))
+            for k, at in cols]),
+        (("fp4-no-dge (straight-through)",), [(r, n, k, at) for r, n, cols in (
+            (T3 + "fp4_no_dge_weights_only.json", "fp4-no-dge", (("train", 256), ("train", 718), ("val", 704))),
+            (T3 + "fp4_dge.json", "fp4-no-dge+train.seed=1", (("train", 256), ("train", 695), ("val", 640))))
+            for k, at in cols]),
+        (("fp4 + `numerics.dge_k=2`",), [(T3 + "keep_first_last_seeds_fp4_k2.json", n, k, at) for n, cols in (
+            ("fp4+numerics.dge_k=2", (("train", 256), ("train", 718), ("val", 704))),
+            ("fp4+numerics.dge_k=2+train.seed=1", (("train", 256), ("train", 695), ("val", 640))))
+            for k, at in cols])]),
+}
+
+
+def knob_table(name: str) -> list[str]:
+    header, rows = KNOBS[name]
+    out = [f"| {' | '.join(header)} |", "|---|" + "---:|" * (len(header) - 1)]
+    for labels, cells in rows:
+        values = list(labels) + [_cell(*c) for c in cells]
+        out.append(f"| {' | '.join(values)} |")
+    return out
+
+
 def results_table() -> list[str]:
     rows, facts = [], []
     for label, goal, runs in ROWS:
@@ -120,21 +198,30 @@ def results_table() -> list[str]:
 
 
 def doc_main(check: bool) -> int:
-    begin, end = "<!-- table: convergence results -->", "<!-- end table -->"
-    lines = DOC.read_text().split("\n")
-    try:
-        i = lines.index(begin) + 1
-        j = lines.index(end, i)
-    except ValueError:
-        print(f"{DOC}: no {begin} ... {end}", file=sys.stderr)
-        return 2
-    new = lines[:i] + results_table() + lines[j:]
+    """Rewrite (or, with check, compare) every `<!-- table: convergence NAME -->` ... `<!-- end table -->` of the doc:
+    NAME `results` or one of KNOBS."""
+    lines, out, i = DOC.read_text().split("\n"), [], 0
+    while i < len(lines):
+        out.append(lines[i])
+        m = re.match(r"^<!-- table: convergence (\S+) -->$", lines[i])
+        i += 1
+        if not m:
+            continue
+        if m.group(1) != "results" and m.group(1) not in KNOBS:
+            print(f"{DOC.name}: unknown table {m.group(1)!r}", file=sys.stderr)
+            return 2
+        try:
+            i = lines.index("<!-- end table -->", i)
+        except ValueError:
+            print(f"{DOC.name}: {lines[i - 1]} has no <!-- end table -->", file=sys.stderr)
+            return 2
+        out += results_table() if m.group(1) == "results" else knob_table(m.group(1))
+    same = out == lines
     if check:
-        same = new == lines
-        print(f"{DOC.name}: results table {'up to date' if same else 'out of date'}")
+        print(f"{DOC.name}: tables {'up to date' if same else 'out of date'}")
         return 0 if same else 1
-    DOC.write_text("\n".join(new))
-    print(f"{DOC.name}: results table rewritten")
+    DOC.write_text("\n".join(out))
+    print(f"{DOC.name}: tables rewritten")
     return 0
 
 
