@@ -172,7 +172,10 @@ def device_tag(gpus: int) -> str:
     return f"{tag}x{gpus}" if gpus > 1 else tag
 
 
-def commit() -> str:
+def commit(given: str) -> str:
+    """The commit measured: --commit, else the checkout's HEAD (with "+ local changes" when the tree differs)."""
+    if given:
+        return given
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              check=True).stdout.strip()
@@ -180,7 +183,7 @@ def commit() -> str:
                                capture_output=True, text=True).stdout.strip()
         return out + (" + local changes" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
-        return ""
+        return "not recorded (no git checkout: pass --commit)"
 
 
 def stamp(path: Path, measured: str) -> None:
@@ -194,8 +197,8 @@ def stamp(path: Path, measured: str) -> None:
 
 
 def repoint(markdown: Path, written: list[str]) -> int:
-    """Point BENCHMARKS.md's markers at the files just written where they name the same measurement on another
-    device, dropping the commit= / added= words the new file's meta makes stale. Returns the markers changed."""
+    """Point BENCHMARKS.md's markers at the files just written where they name the same measurement (on this device
+    or another), dropping the commit= / added= words the new file's meta makes stale. Returns the markers changed."""
     text, n = markdown.read_text().split("\n"), 0
     for i, line in enumerate(text):
         m = re.match(r"^<!-- table: results/(\S+) (\S+)((?: \S+)*) -->$", line)
@@ -203,13 +206,14 @@ def repoint(markdown: Path, written: list[str]) -> int:
             continue
         for w in written:
             s = step_of(w, m.group(2))
-            if s is None or step_of(m.group(1), m.group(2)) is not s or m.group(1) == w:
+            if s is None or step_of(m.group(1), m.group(2)) is not s:
                 continue
             if not any(pattern(o).match(m.group(1)) and pattern(o).match(w) for o in s.outputs):
                 continue
             words = [x for x in m.group(3).split() if not x.startswith(("commit=", "added="))]
-            text[i] = f"<!-- table: results/{w} {' '.join([m.group(2)] + words)} -->"
-            n += 1
+            new = f"<!-- table: results/{w} {' '.join([m.group(2)] + words)} -->"
+            n += new != text[i]
+            text[i] = new
     markdown.write_text("\n".join(text))
     return n
 
@@ -325,6 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="benchmarks/results", help="where the result files go (default benchmarks/results)")
     p.add_argument("--limit-s", type=int, default=900, help="seconds per command before it is stopped")
     p.add_argument("--no-report", action="store_true", help="leave BENCHMARKS.md as it is")
+    p.add_argument("--commit", default="", help="the commit measured, where the tree is not a git checkout")
     p.add_argument("--train-table", metavar="RUN_DIR", help=argparse.SUPPRESS)  # the 13b step's second command
     a = p.parse_args(argv)
     if a.train_table:
@@ -344,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     extra = wheels()
-    measured, written = commit(), []
+    measured, written = commit(a.commit), []
     for s in steps:
         files = run_step(s, out, a.limit_s, extra)
         for w in files:

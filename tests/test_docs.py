@@ -97,11 +97,11 @@ def test_suite_points_markers_at_a_new_device_and_drops_stale_commits(tmp_path):
     md.write_text("<!-- table: results/step_7b_h200.json step ms,peak_mem_gib commit=390cc62 -->\n<!-- end table -->\n"
                   "<!-- table: results/step_7b_build_h200.json step ms commit=07503d3 -->\n<!-- end table -->\n"
                   "<!-- table: results/mlp_7b_h200.json quantize commit=11c3340 -->\n<!-- end table -->\n")
-    assert run.repoint(md, ["step_7b_h100.json", "mlp_7b_eager_h100.json"]) == 1
+    assert run.repoint(md, ["step_7b_h100.json", "mlp_7b_eager_h100.json", "mlp_7b_h200.json"]) == 2
     lines = md.read_text().split("\n")
     assert lines[0] == "<!-- table: results/step_7b_h100.json step ms,peak_mem_gib -->"
     assert lines[2].endswith("step_7b_build_h200.json step ms commit=07503d3 -->")  # another measurement
-    assert lines[4].endswith("mlp_7b_h200.json quantize commit=11c3340 -->")
+    assert lines[4] == "<!-- table: results/mlp_7b_h200.json quantize -->"  # the same file again: its own commit
 
 
 def test_train_table_reads_a_run_directory(tmp_path):
@@ -150,3 +150,14 @@ def test_suite_step_runs_its_commands_logs_them_and_stamps_the_commit(tmp_path):
     assert "measured" in (tmp_path / "x_cpu_log.txt").read_text()
     run.stamp(tmp_path / "x_cpu.json", "abc1234")
     assert json.loads((tmp_path / "x_cpu.json").read_text())["meta"] == {"device": "cpu", "commit": "abc1234"}
+
+
+def test_suite_names_results_by_the_device(monkeypatch):
+    import torch
+
+    run = _load("run")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for name, tag in [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA A100-SXM4-80GB", "a100")]:
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
+        assert run.device_tag(1) == tag and run.device_tag(2) == tag + "x2"
+    assert run.device_tag(0) == "cpu"
