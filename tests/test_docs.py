@@ -161,3 +161,25 @@ def test_suite_names_results_by_the_device(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, n=name: n)
         assert run.device_tag(1) == tag and run.device_tag(2) == tag + "x2"
     assert run.device_tag(0) == "cpu"
+
+
+def test_suite_bench_commands_parse():
+    """Every `lowbit bench` command of the suite is one that bench accepts (parsed, not run)."""
+    import argparse
+    import shlex
+
+    from lowbit.tools.bench import add_args
+
+    run = _load("run")
+    p = argparse.ArgumentParser()
+    add_args(p)
+    n = 0
+    for step in run.STEPS:
+        for c in run.commands(step, "OUT", "dev"):
+            words = shlex.split(c)
+            while words and "=" in words[0]:  # VAR=value before the command
+                words.pop(0)
+            if words[:4] == ["python3", "-m", "lowbit", "bench"]:
+                p.parse_args(words[4:])
+                n += 1
+    assert n >= 15
