@@ -21,6 +21,8 @@ from pathlib import Path
 
 import torch
 
+from tables import write  # benchmarks/tables.py: the result file in bench's layout
+
 LAYOUTS = {"dp4": ["--parallel.dp", "4"],
            "dp4 + zero1": ["--parallel.dp", "4", "--parallel.zero", "1"],
            "dp2 x cp2": ["--parallel.dp", "2", "--parallel.cp", "2"],
@@ -69,8 +71,21 @@ def main() -> None:
         rel = f"{r['grad_bytes'] / bf16:.3f}x" if bf16 else ""
         print(f"| {r['layout']} | {r['grad_sync']} | {r['grad_bytes']:,} | {rel} | {r['cp_bytes']:,} | "
               f"{r['tp_bytes']:,} | {r['zero_bytes']:,} |")
-    if a.out:
-        Path(a.out).write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    write(a.out, header, rows, "bytes", BYTES_COLUMNS, [bytes_row(r, rows) for r in rows])
+
+
+BYTES_COLUMNS = [("layout", "layout"), ("grad_sync", "gradient exchange"), ("grad", "gradient bytes/step/rank"),
+                 ("vs_bf16", "vs bf16"), ("cp", "ring attention bytes/step/rank"), ("tp", "tensor-parallel bytes"),
+                 ("zero", "ZeRO-1 bytes")]
+
+
+def bytes_row(r: dict, rows: list[dict]) -> dict:
+    """One line of BENCHMARKS.md's table (benchmarks/tables.py)."""
+    bf16 = next((x["grad_bytes"] for x in rows if x["layout"] == r["layout"] and x["grad_sync"] == "bf16"), None)
+    return {"layout": r["layout"], "grad_sync": r["grad_sync"], "grad": f"{r['grad_bytes']:,}",
+            "vs_bf16": f"{r['grad_bytes'] / bf16:.3f}x" if bf16 else "", "cp": f"{r['cp_bytes']:,}",
+            "tp": f"{r['tp_bytes']:,}" if "tp_bytes" in r else "",  # rows written before it counted them
+            "zero": f"{r['zero_bytes']:,}" if "zero_bytes" in r else ""}
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -403,11 +404,37 @@ def main():
                 print(f"   {e['self_ms']:9.3f} ms  x{e['calls']:<5d} {e['name']}", flush=True)
     result["meta"]["bench_seconds"] = time.time() - t_start
     if rank == 0:
+        result["meta"].setdefault("date", result["meta"].get("date_utc"))  # the key report.py's line reads
+        columns, rows = exchange_table(result)
+        result["tables"] = {"exchange": {"title": columns[0][1], "columns": columns, "rows": rows, "notes": []}}
         with open(args.out, "w") as fh:
             json.dump(result, fh, indent=1)
         print("wrote", args.out, flush=True)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def exchange_table(result: dict) -> tuple[list, list[dict]]:
+    """BENCHMARKS.md's table (benchmarks/report.py renders it): ms of the slower rank per exchange, the baseline's,
+    the current one's and its collectives' alone."""
+    ms = {k: v["wall_ms_median_max_over_ranks"] for k, v in result["timing"].items()}
+    comm = result.get("comm_only_ms_rank0", {})
+    n = math.ceil(result["meta"]["grad_elements"] / result["meta"]["bucket"])
+
+    def f(x):
+        return "" if x is None else f"{x:.1f}"
+
+    eager = f" (eager, `LOWBIT_GRAD_SYNC_COMPILE=0`: {f(ms['fp8_new_compile0'])})" if "fp8_new_compile0" in ms else ""
+    fp8 = ms.get("fp8_new_compile1", ms.get("fp8_new_compile0"))
+    rows = [{"exchange": "fp32 all-reduce", "baseline": f(ms.get("fp32_baseline")), "current": f(ms.get("fp32_new")),
+             "alone": f"{f(comm.get('fp32_all_reduce'))} ({n} all-reduces)"},
+            {"exchange": "bf16 all-reduce", "baseline": f(ms.get("bf16_baseline")), "current": f(ms.get("bf16_new")),
+             "alone": f"{f(comm.get('bf16_all_reduce'))} ({n} all-reduces)"},
+            {"exchange": "fp8 (e4m3, auto)", "baseline": f(ms.get("fp8_baseline")), "current": f(fp8) + eager,
+             "alone": f"{f(comm.get('fp8_all_to_all+all_gather'))} (one all-to-all + one all-gather)"}]
+    columns = [["exchange", "exchange, ms", ""], ["baseline", "baseline (`BaselineGradSync`)", ""],
+               ["current", "current", ""], ["alone", "the collectives alone, same bytes", ""]]
+    return columns, rows
 
 
 if __name__ == "__main__":

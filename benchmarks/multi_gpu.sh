@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 10: lowbit's distributed training on 2 GPUs with NCCL, in parts of up to about 10 minutes each.
+# lowbit's distributed training on 2 GPUs with NCCL, in parts of up to about 10 minutes each.
 #   bash benchmarks/multi_gpu.sh a   1b: one-GPU reference, dp2 gradient exchange bf16/fp8/fp32, dp2 vs tp2 vs
 #                                    tp2+sp under fp8-tensorwise, pp2 1F1B with per-stage compute timed alone
 #   bash benchmarks/multi_gpu.sh b   125m: context parallel ring vs rsa (32k, longer while it fits), a 300-step

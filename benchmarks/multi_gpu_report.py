@@ -1,4 +1,4 @@
-"""Issue 10 harness: run `lowbit train` with measurement hooks, then summarise runs into tables.
+"""The two-GPU harness of multi_gpu.sh: run `lowbit train` with measurement hooks, then summarise runs into tables.
 
     python multi_gpu_report.py train [--section.key=value ...]   (under torchrun, or alone for one process)
         `lowbit train`, plus: GradSync.sync, pipeline.run and sync_partial_grads timed (device synchronised

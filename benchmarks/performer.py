@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.models.performer import Performer, default_features
+from tables import write  # benchmarks/tables.py: the result file in bench's layout
 
 HEADS, HEAD_DIM = 16, 64
 
@@ -107,9 +108,22 @@ def main() -> None:
         perf = [r[x]["ms"] for x in names[1:] if "ms" in r[x]]
         ratio = f"{min(perf) / r['sdpa']['ms']:.2f}" if perf and "ms" in r["sdpa"] else ""
         print(f"| {r['length']} | {r['batch']} | " + " | ".join(cells) + f" | {ratio} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"header": header, "rows": rows}, f, indent=1)
+    write(a.out, header, rows, "performer", performer_columns(names), [performer_row(r, names) for r in rows])
+
+
+def performer_columns(names: list[str]) -> list[tuple[str, str]]:
+    return ([("length", "L"), ("batch", "batch")] + [(x, f"{x} ms (MiB)".replace("sdpa", "sdpa (flash)"))
+                                                     for x in names] + [("ratio", "performer / flash")])
+
+
+def performer_row(r: dict, names: list[str]) -> dict:
+    """One line of BENCHMARKS.md's table (benchmarks/tables.py): ms (peak MiB), the best chunk's time over flash's."""
+    out = {"length": f"{r['length']:,}", "batch": str(r["batch"])}
+    for x in names:
+        out[x] = f"{r[x]['ms']:.2f} ({r[x]['peak_mib']:.0f})" if "ms" in r[x] else r[x]["error"]
+    perf = [r[x]["ms"] for x in names[1:] if "ms" in r[x]]
+    out["ratio"] = f"{min(perf) / r['sdpa']['ms']:.2f}" if perf and "ms" in r["sdpa"] else ""
+    return out
 
 
 if __name__ == "__main__":

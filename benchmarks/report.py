@@ -15,8 +15,10 @@ The path is relative to benchmarks/, the key is one of the JSON's "tables". Opti
   `commit=HASH`: the commit the run measured, when the JSON's meta does not say (`lowbit bench` does not record
     it); `added=HASH`: only the commit that added the result file is known.
 Between the markers goes the run's line (device | torch | torchao | date | command, from the JSON's "meta", as
-`lowbit bench` prints it, then the commit; "incomplete" when the run ended before its last row), then the table
-and its notes, rendered by `lowbit bench`'s own Table. Every line outside the markers stays as it is.
+`lowbit bench` prints it, overridden by the table's own "meta" where a file gathers tables of several runs; then the
+commit, the file's provenance where it has one, "incomplete" when the run ended before its last row, and the step
+of benchmarks/run.py that rewrites the file), then the table and its notes, rendered by `lowbit bench`'s own
+Table. Every line outside the markers stays as it is. A file that no step of run.py writes is an error.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ except ImportError:  # run from a checkout without the package installed
 
 from lowbit.tools.bench.common import Table, meta_line  # noqa: E402
 
+sys.path.insert(0, str(HERE))
+import run  # noqa: E402  (benchmarks/run.py: the steps that write each result file)
+
 # The columns of JSON written before bench recorded its tables' columns (it does now: those are used), as the
 # bench's own tables define them (src/lowbit/tools/bench/*.py), plus the row keys those tables keep in the JSON
 # only (ms_min, host times...), which a marker may name for any file.
@@ -50,7 +55,7 @@ COLUMNS: dict[str, list[tuple[str, str, str]]] = {
                 ("backward_ms", "backward ms", ".1f"), ("optimizer_ms", "optimizer ms", ".1f"),
                 ("gemm_ms", "GEMM kernels ms", ".1f"), ("attention_ms", "attention kernels ms", ".1f"),
                 ("fused_ms", "fused kernels ms", ".1f"), ("aten_ms", "aten kernels ms", ".1f"),
-                ("busy_ms", "kernels busy ms", ".1f"), ("idle_ms", "GPU idle ms", ".1f"), ("kernels", "kernels", "d"),
+                ("busy_ms", "kernels busy ms", ".1f"), ("kernel_ms", "kernel time ms (sum)", ".1f"), ("idle_ms", "GPU idle ms", ".1f"), ("kernels", "kernels", "d"),
                 ("host_forward_ms", "forward host ms", ".1f"), ("host_backward_ms", "backward host ms", ".1f"),
                 ("host_optimizer_ms", "optimizer host ms", ".1f"), ("host_wait_ms", "host waits ms", ".1f")],
     "optim": [("variant", "variant", ""), ("params_m", "params (M)", ",.1f"), ("covered_pct", "covered %", ".1f"),
@@ -126,12 +131,27 @@ def render(path: str, key: str, opts: str) -> list[str]:
     first = spec[0]
     columns = [first] + [known[c] for c in wanted if c != first[0]]
     table = Table(key, t["title"], columns, t["rows"], list(t.get("notes", [])))
-    line = meta_line(doc["meta"])
-    if doc["meta"].get("commit") or commit:
-        line += f" | commit {doc['meta']['commit']}" if doc["meta"].get("commit") else f" | {commit}"
+    meta = {**doc.get("meta", {}), **t.get("meta", {})}
+    try:
+        line = meta_line(meta)
+    except KeyError as e:
+        raise ReportError(f"{path} {key}: its meta has no {e}") from None
+    if meta.get("commit") or commit:
+        line += f" | commit {meta['commit']}" if meta.get("commit") else f" | {commit}"
+    if meta.get("provenance"):
+        line += f" | {meta['provenance']}"
     if doc.get("complete") is False:
         line += " | incomplete (the run ended before its last row)"
+    line += f" | rewritten by {rerun(path, key)}"
     return [line, ""] + table.markdown().rstrip("\n").split("\n")
+
+
+def rerun(path: str, key: str) -> str:
+    """How the table's JSON is made again: the step of benchmarks/run.py that writes it."""
+    s = run.step_of(Path(path).name, key)
+    if s is None:
+        raise ReportError(f"{path}: no step of benchmarks/run.py writes it (add one to its STEPS)")
+    return run.rerun_command(s)
 
 
 def rewrite(text: str) -> tuple[str, list[str]]:

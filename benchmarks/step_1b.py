@@ -24,6 +24,7 @@ from lowbit.models.llama import Llama, resolve_model_args
 from lowbit.tools.export_hf import hf_config
 from lowbit.train.config import ModelConfig
 from lowbit.train.metrics import gpu_peak_flops
+from tables import write  # benchmarks/tables.py: the result file in bench's layout
 
 BATCH, SEQ, VOCAB = 8, 2048, 32000
 
@@ -121,9 +122,29 @@ def main() -> None:
             mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a"
             print(f"| {r['impl']} | {r['checkpointing']} | {r['ms_per_step']:.1f} | {r['tokens_per_s']:,.0f} | {mfu} "
                   f"| {r['peak_mem_gib']:.1f} |")
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"header": header, "rows": rows}, f, indent=1)
+    write(a.out, header, rows, "hf", HF_COLUMNS, [hf_row(r) for r in rows])
+
+
+HF_COLUMNS = [("model", "model"), ("checkpointing", "activation checkpointing"), ("ms", "ms/step (median)"),
+              ("tokens_per_s", "tokens/s"), ("mfu", "MFU"), ("peak", "peak memory GiB")]
+
+
+def hf_row(r: dict) -> dict:
+    """One line of BENCHMARKS.md's table (benchmarks/tables.py)."""
+    if r["impl"] == "lowbit":
+        model = "lowbit `Llama`"
+    else:
+        try:
+            from importlib.metadata import version
+
+            model = f"HF transformers `LlamaForCausalLM` ({version('transformers')}, sdpa)"
+        except ImportError:
+            model = "HF transformers `LlamaForCausalLM` (sdpa)"
+    if "error" in r:
+        return {"model": model, "checkpointing": r["checkpointing"], "ms": r["error"]}
+    return {"model": model, "checkpointing": r["checkpointing"], "ms": f"{r['ms_per_step']:.1f}",
+            "tokens_per_s": f"{r['tokens_per_s']:,.0f}", "mfu": f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a",
+            "peak": f"{r['peak_mem_gib']:.1f}"}
 
 
 if __name__ == "__main__":

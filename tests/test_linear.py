@@ -190,7 +190,7 @@ def test_recipes_command_lists_every_recipe(capsys):
 @pytest.fixture(scope="module")
 def recipe_runs(tmp_path_factory):
     """The tiny preset, 200 steps, under every recipe (shorter windows than the default job so that eight runs
-    fit in the test budget; learning rate 1e-3, where runs are not chaotic: at 3e-3, fp8-tensorwise ended 0.1%
+    fit in the slow tier's time; learning rate 1e-3, where runs are not chaotic: at 3e-3, fp8-tensorwise ended 0.1%
     from bf16 with one seed and 2.5% with another, noise that would drown what the test looks for)."""
     from lowbit.cli import main
 
