@@ -24,7 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lowbit.distributed.ring_blocks import backward_step, block_plan, forward_step, fresh_accumulators
+from lowbit.distributed.ring_blocks import (OneDeviceRing, backward_step, block_plan, forward_step,
+                                           fresh_accumulators)
 from lowbit.errors import LowbitError
 
 
@@ -192,3 +193,16 @@ def apply_context_parallel(model: nn.Module, group, seq_len: int, impl: str, lay
     for m in model.modules():
         if hasattr(m, "core") and hasattr(m, "wq"):
             m.core = ContextParallelAttention(group, seq_len, impl, layout=layout).to(m.wq.weight.device)
+
+
+class OneDeviceRingCore(nn.Module):
+    """An attention core [B, H, L, D] that runs the block schedule of a cp-rank ring on this one device
+    (ring_blocks.OneDeviceRing): a model that measures, on one GPU, what its context-parallel ranks compute."""
+
+    def __init__(self, cp: int, seq_len: int, layout: str = "zigzag", causal: bool = True):
+        super().__init__()
+        self.causal = causal
+        self.positions = torch.stack([shard_positions(seq_len, cp, r, layout) for r in range(cp)])
+
+    def forward(self, q, k, v, positions=None):
+        return OneDeviceRing.apply(q, k, v, self.positions, self.causal)
