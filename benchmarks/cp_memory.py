@@ -50,7 +50,10 @@ def table(report: dict, gpus: dict[str, float], reserve: float, cps: list[int]) 
         for mem in gpus.values():
             for cp in cps:
                 room = mem - reserve - fixed - icpt
-                cells.append(f"{int(cp * room / slope) // 1024 * 1024:,}" if room > 0 else "none")
+                if slope <= 0:  # memory did not grow with the sequence: a broken measurement, no prediction
+                    cells.append("n/a")
+                else:
+                    cells.append(f"{int(cp * room / slope) // 1024 * 1024:,}" if room > 0 else "none")
         lines.append(f"| {policy} | {fixed:.1f} | {slope * GIB / 1024:.0f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -8,7 +8,7 @@ sequence each layout should fit.
 
 attention: heads and head dim of the `1b` preset (32 x 64; its 4 K/V heads are repeated before the core, as the
 model does), batch 1, bf16, causal; forward + backward, the median of --reps timed runs after one warm-up (CUDA
-events). Peak memory is above the inputs and their gradients. Errors: the largest |ring - SDPA| of the output and
+events). Peak memory is above the inputs (and the reference's output and gradients, kept to compare). Errors: the largest |ring - SDPA| of the output and
 each gradient, and that over the largest |SDPA| (SDPA's own bf16 rounding is of the same order).
 model: the whole `1b` model, bf16 autocast, fp32 weights, gradients and AdamW moments (16 bytes per parameter, the
 bf16 recipe's), one sequence per step at each --model-lengths under each checkpointing policy. `fixed` is what is
@@ -31,9 +31,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lowbit.distributed.context_parallel import OneDeviceRingCore, shard_positions
 from lowbit.distributed.ring_blocks import OneDeviceRing
+from lowbit.models.init import materialize
 from lowbit.models.llama import PRESETS, Llama, ModelArgs
 
 HEADS, HEAD_DIM = 32, 64
+DEVICE = "cuda"
 
 
 def timed(fn, reps: int) -> tuple[float, int]:
@@ -53,45 +55,51 @@ def timed(fn, reps: int) -> tuple[float, int]:
     return statistics.median(times), torch.cuda.max_memory_allocated() - base
 
 
+def _sdpa(a, b, c):
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(a, b, c, is_causal=True)
+
+
+def _errors(got: list, ref: list) -> dict:
+    names = ("out", "dq", "dk", "dv")
+    err = {n: (x.float() - y.float()).abs().max().item() for n, x, y in zip(names, got, ref)}
+    return dict(max_err={n: f"{e:.2e}" for n, e in err.items()},
+                rel_err={n: f"{err[n] / y.float().abs().max().item():.2e}" for n, y in zip(names, ref)})
+
+
+def rows_at(L: int, cps: list[int], layouts: list[str], reps: int) -> list[dict]:
+    """SDPA flash, then the ring's schedule for each cp and layout, on the same bf16 inputs of L tokens."""
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v, dout = (torch.randn(1, HEADS, L, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=g)
+                     for _ in range(4))
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def run(attend):
+        for t in leaves:
+            t.grad = None
+        out = attend(*leaves)
+        out.backward(dout)
+        return [out.detach()] + [t.grad for t in leaves]
+
+    ms, peak = timed(lambda: run(_sdpa), reps)
+    ref = [t.clone() for t in run(_sdpa)]
+    rows = [dict(length=L, impl="sdpa-flash", cp=1, layout="-", ms=round(ms, 2), peak_gib=peak / 2**30)]
+    print(json.dumps(rows[-1]), flush=True)
+    for cp in cps:
+        for layout in layouts:
+            pos = torch.stack([shard_positions(L, cp, r, layout) for r in range(cp)])
+            ring = lambda a, b, c, pos=pos: OneDeviceRing.apply(a, b, c, pos, True)  # noqa: E731
+            ms_r, peak_r = timed(lambda: run(ring), reps)
+            rows.append(dict(length=L, impl="ring", cp=cp, layout=layout, ms=round(ms_r, 2),
+                             vs_sdpa=round(ms_r / ms, 3), peak_gib=peak_r / 2**30, **_errors(run(ring), ref)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def attention_rows(lengths: list[int], cps: list[int], layouts: list[str], reps: int) -> list[dict]:
     rows = []
     for L in lengths:
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v, dout = (torch.randn(1, HEADS, L, HEAD_DIM, device="cuda", dtype=torch.bfloat16, generator=g)
-                         for _ in range(4))
-        leaves = [t.requires_grad_() for t in (q, k, v)]
-
-        def run(attend):
-            for t in leaves:
-                t.grad = None
-            out = attend(*leaves)
-            out.backward(dout)
-            return out
-
-        def sdpa(a, b, c):
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                return F.scaled_dot_product_attention(a, b, c, is_causal=True)
-
-        ms, peak = timed(lambda: run(sdpa), reps)
-        ref = [run(sdpa).detach()] + [t.grad.clone() for t in leaves]
-        rows.append(dict(length=L, impl="sdpa-flash", cp=1, layout="-", ms=round(ms, 2), peak_gib=peak / 2**30))
-        for cp in cps:
-            for layout in layouts:
-                pos = torch.stack([shard_positions(L, cp, r, layout) for r in range(cp)])
-
-                def ring(a, b, c, pos=pos):
-                    return OneDeviceRing.apply(a, b, c, pos, True)
-
-                ms_r, peak_r = timed(lambda: run(ring), reps)
-                got = [run(ring).detach()] + [t.grad for t in leaves]
-                err = {n: (x.float() - y.float()).abs().max().item() for n, x, y in zip("o q k v".split(), got, ref)}
-                rel = {n: err[n] / y.float().abs().max().item() for n, y in zip("o q k v".split(), ref)}
-                rows.append(dict(length=L, impl="ring", cp=cp, layout=layout, ms=round(ms_r, 2),
-                                 vs_sdpa=round(ms_r / ms, 3), peak_gib=peak_r / 2**30,
-                                 max_err={n: f"{e:.2e}" for n, e in err.items()},
-                                 rel_err={n: f"{e:.2e}" for n, e in rel.items()}))
-                print(json.dumps(rows[-1]), flush=True)
-        del q, k, v, dout, leaves, ref
+        rows += rows_at(L, cps, layouts, reps)
         gc.collect()
         torch.cuda.empty_cache()
     return rows
@@ -101,8 +109,9 @@ def model_rows(lengths: list[int], policies: list[str], cp: int) -> list[dict]:
     rows = []
     preset = {k: v for k, v in PRESETS["1b"].items() if k != "ffn_multiple_of"}
     args = ModelArgs(**preset, max_seq_len=max(lengths))
-    with torch.device("cuda"):
+    with torch.device("meta"):  # built without memory, initialized on the GPU
         model = Llama(args)
+    materialize(model, torch.device(DEVICE))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     for policy in policies:
         for blk in model.layers:
@@ -111,10 +120,10 @@ def model_rows(lengths: list[int], policies: list[str], cp: int) -> list[dict]:
             for m in model.modules():
                 if hasattr(m, "wq"):
                     m.core = OneDeviceRingCore(cp, L)
-            x = torch.randint(0, args.vocab_size, (1, L), device="cuda")
+            x = torch.randint(0, args.vocab_size, (1, L), device=DEVICE)
 
             def step():
-                with torch.autocast("cuda", dtype=torch.bfloat16):
+                with torch.autocast(DEVICE, dtype=torch.bfloat16):
                     loss = model(x, x)
                 loss.backward()
                 opt.step()

@@ -119,3 +119,19 @@ def test_model_with_one_device_ring_matches_sdpa_model():
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
     for (name, a), b in zip(ref.named_parameters(), ring.parameters()):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cp_memory_prediction_from_two_measured_lengths():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    import cp_memory
+
+    rows = [dict(policy="none", length=8192, fixed_gib=16.0, peak_above_fixed_gib=9.0),
+            dict(policy="none", length=16384, fixed_gib=16.0, peak_above_fixed_gib=17.0)]
+    fixed, intercept, slope = cp_memory.fit(rows)["none"]
+    assert (fixed, intercept, slope * 8192) == (16.0, 1.0, 8.0)
+    report = dict(device="d", torch="t", command="c", model=rows)
+    # 100 GiB card, 3 reserved: (100 - 3 - 16 - 1) GiB at 1 GiB per 1024 tokens, times cp
+    assert cp_memory.table(report, {"G": 100.0}, 3.0, [1, 2]).splitlines()[-1].endswith("| 81,920 | 163,840 |")
