@@ -483,8 +483,8 @@ def test_ring_schedule_on_flash_matches_sdpa_on_gpu(cp, layout):
         out = attend(*leaves)
         out.backward(dout)
         res.append([out.detach().float()] + [t.grad.float() for t in leaves])
-    for got, ref in zip(*reversed(res)):
-        assert (got - ref).abs().max().item() <= 2e-2 * ref.abs().max().item()
+    for got, ref in zip(*reversed(res)):  # two bf16 computations apart: a missing or doubled block is O(1) off
+        assert (got - ref).abs().max().item() <= 5e-2 * ref.abs().max().item()
 
 
 def test_ring_schedule_keeps_no_seq_by_seq_tensor_on_gpu():
