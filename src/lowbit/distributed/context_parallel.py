@@ -3,16 +3,19 @@ around a ring of point-to-point transfers (batch_isend_irecv), so no rank ever h
 
 The split (parallel.cp_layout): zigzag, for causal load balance, cuts the sequence into 2·cp chunks and rank r
 holds chunks r and 2·cp−1−r, so every rank has as many unmasked query-key pairs; plain gives rank r the contiguous
-chunk r, so its queries see the K/V of ranks 0..r only: the later blocks are fully masked (ring skips them: the
-last rank computes cp blocks, the first one; rsa skips only their QKᵀ, not the products with V nor the backward).
-Positions travel with the shards: RoPE uses them and
-the causal mask compares them.
+chunk r, so its queries see the K/V of ranks 0..r only: the later blocks are fully masked and skipped (the last
+rank computes cp blocks, the first one). Positions travel with the shards: RoPE uses them and the block schedule
+(ring_blocks.block_plan) compares them.
 
-    ring  online softmax (as flash attention across devices): each arriving K/V block updates the output and the
-          running log-sum-exp; the next block is in flight while this one is computed. Backward circulates K/V
-          again with their dK/dV accumulators, which come home after a full turn.
-    rsa   the sequence-parallelism paper's ring self-attention: stage one circulates keys so each query slice
-          gets its full score rows (softmax is then local), stage two circulates values. Stores Lq×L scores.
+    ring  each arriving K/V block goes through a fused attention kernel that returns its log-sum-exp (flash on CUDA
+          and CPU, attention_block.py), partial outputs merged by log-sum-exp in fp32 (ring_blocks.py); the next
+          block is in flight while this one is computed. Backward runs the ring again, each block's kernel
+          backward given the global output and log-sum-exp; dK/dV accumulators (fp32) travel with their block and
+          are home after a full turn. Kept for backward: q, k, v, the output and the log-sum-exp, nothing Lq×Lk.
+    rsa   the sequence-parallelism paper's ring self-attention: stage one circulates the keys, stage two the
+          values. Blockwise: stage one assembles the key blocks (L×D, for this layer's call only) instead of the
+          Lq×L score rows, stage two runs each arriving value block with its keys through the same kernel and
+          merge. Backward assembles the keys again, then circulates the values with their dK/dV accumulators.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lowbit.distributed.ring_blocks import (OneDeviceRing, backward_step, block_plan, forward_step,
+                                           fresh_accumulators)
 from lowbit.errors import LowbitError
 
 
@@ -62,11 +67,11 @@ class _Ring:
         ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group) for t in tensors]
         SENT["bytes"] += sum(t.numel() * t.element_size() for t in tensors)
         ops += [dist.P2POp(dist.irecv, b, self.prev, self.group) for b in bufs]
-        return bufs, dist.batch_isend_irecv(ops)
+        return bufs, dist.batch_isend_irecv(ops), ops  # the ops hold the sent tensors until the transfer is done
 
     @staticmethod
     def finish(pending) -> list[torch.Tensor]:
-        bufs, works = pending
+        bufs, works, _ = pending
         for w in works:
             w.wait()
         return bufs
@@ -75,125 +80,95 @@ class _Ring:
         return self.finish(self.start(tensors))
 
 
-def _mask(pos_q: torch.Tensor, pos_k: torch.Tensor, causal: bool):
-    """Allowed [Lq, Lk] (None: everything), or False when nothing is (the block is skipped). The extremes decide
-    whole blocks first, so the plain layout's off-diagonal blocks never build an Lq×Lk mask."""
-    if not causal or pos_q.min() >= pos_k.max():
-        return None
-    if pos_q.max() < pos_k.min():
-        return False
-    allowed = pos_q[:, None] >= pos_k[None, :]
-    return None if allowed.all() else allowed
+def _ring_forward(ring, q, k, v, pos, causal: bool, keys=None):
+    """This rank's queries against every rank's K/V, one block per step, the next block in flight meanwhile;
+    with `keys` (RSA's second stage) the keys are already here and only the values travel."""
+    scale = q.shape[-1] ** -0.5
+    out, lse = fresh_accumulators(q)
+    kc, vc = k, v
+    for step in range(ring.n):
+        src = (ring.r - step) % ring.n
+        moving = [vc] if keys is not None else [kc, vc]
+        pending = ring.start(moving) if step < ring.n - 1 else None
+        forward_step(q, kc if keys is None else keys[src], vc, block_plan(pos[ring.r], pos[src], causal), scale,
+                     out, lse)
+        if pending is not None:
+            arrived = ring.finish(pending)
+            kc, vc = (kc, arrived[0]) if keys is not None else arrived
+    return out.to(q.dtype), lse
 
 
-def _scores(q, k, allowed, scale):
-    s = (q @ k.transpose(-1, -2)) * scale
-    return s if allowed is None else s.masked_fill(~allowed, float("-inf"))
+def _ring_backward(ring, dout, q, k, v, out, lse, pos, causal: bool, keys=None):
+    """The ring again, each block's kernel backward given the global output and log-sum-exp: dq adds up here,
+    each block's (dk, dv) travels on with it, gaining every rank's share, and is home after a full turn. A block's
+    share is computed before the accumulator from the previous rank is awaited, so that transfer overlaps it."""
+    scale = q.shape[-1] ** -0.5
+    dout = dout.contiguous()
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kc, vc, acc = k, v, None
+    for step in range(ring.n):
+        src = (ring.r - step) % ring.n
+        moving = [vc] if keys is not None else [kc, vc]
+        pending = ring.start(moving) if step < ring.n - 1 else None
+        dk, dv = backward_step(dout, q, kc if keys is None else keys[src], vc, out, lse,
+                               block_plan(pos[ring.r], pos[src], causal), scale, dq)
+        if acc is not None:
+            dk_in, dv_in = ring.finish(acc)
+            dk += dk_in
+            dv += dv_in
+        acc = ring.start([dk, dv])
+        if pending is not None:
+            arrived = ring.finish(pending)
+            kc, vc = (kc, arrived[0]) if keys is not None else arrived
+    dk, dv = ring.finish(acc)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _host_positions(positions: torch.Tensor) -> list[tuple[int, ...]]:
+    return [tuple(p) for p in positions.tolist()]
 
 
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, group, causal: bool):
-        ring, scale = _Ring(group), q.shape[-1] ** -0.5
-        qf = q.float()
-        out = torch.zeros_like(qf)
-        lse = torch.full(q.shape[:-1], float("-inf"), device=q.device)
-        kc, vc = k, v
-        for step in range(ring.n):
-            src = (ring.r - step) % ring.n
-            pending = ring.start([kc, vc]) if step < ring.n - 1 else None  # next block in flight meanwhile
-            allowed = _mask(positions[ring.r], positions[src], causal)
-            if allowed is not False:
-                s = _scores(qf, kc.float(), allowed, scale)
-                blk_lse = torch.logsumexp(s, -1)
-                blk = torch.softmax(s, -1).nan_to_num_(0.0) @ vc.float()  # a row with nothing allowed: 0
-                new = torch.logaddexp(lse, blk_lse)
-                keep = torch.where(new == float("-inf"), 0.0, torch.exp(lse - new))
-                take = torch.where(new == float("-inf"), 0.0, torch.exp(blk_lse - new))
-                out = out * keep[..., None] + blk * take[..., None]
-                lse = new
-            if pending is not None:
-                kc, vc = ring.finish(pending)
-        ctx.save_for_backward(q, k, v, out, lse, positions)
-        ctx.group, ctx.causal = group, causal
-        return out.to(q.dtype)
+        ring, pos = _Ring(group), _host_positions(positions)
+        out, lse = _ring_forward(ring, q, k, v, pos, causal)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.pos = group, causal, pos
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse, positions = ctx.saved_tensors
-        ring, scale = _Ring(ctx.group), q.shape[-1] ** -0.5
-        qf, do = q.float(), dout.float()
-        delta = (do * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qf)
-        kc, vc = k, v
-        dk, dv = torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)
-        for step in range(ring.n):
-            src = (ring.r - step) % ring.n
-            pending = ring.start([kc, vc]) if step < ring.n - 1 else None
-            allowed = _mask(positions[ring.r], positions[src], ctx.causal)
-            if allowed is not False:
-                kf, vf = kc.float(), vc.float()
-                p = torch.exp(_scores(qf, kf, allowed, scale) - lse[..., None]).nan_to_num_(0.0)
-                dv += p.transpose(-1, -2) @ do
-                ds = p * (do @ vf.transpose(-1, -2) - delta)
-                dq += (ds @ kf) * scale
-                dk += (ds.transpose(-1, -2) @ qf) * scale
-            dk, dv = ring.pass_on([dk, dv])  # accumulators travel with their block; after n hops they are home
-            if pending is not None:
-                kc, vc = ring.finish(pending)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        grads = _ring_backward(_Ring(ctx.group), dout, q, k, v, out, lse, ctx.pos, ctx.causal)
+        return *grads, None, None, None
+
+
+def _assemble_keys(ring, k) -> list[torch.Tensor]:
+    """RSA's first stage: the keys go once around the ring; every rank keeps each block (L×D, not Lq×L scores)."""
+    keys, kc = [None] * ring.n, k
+    for step in range(ring.n):
+        keys[(ring.r - step) % ring.n] = kc
+        if step < ring.n - 1:
+            kc = ring.pass_on([kc])[0]
+    return keys
 
 
 class RingSelfAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, positions, group, causal: bool):
-        ring, scale = _Ring(group), q.shape[-1] ** -0.5
-        qf = q.float()
-        # stage one: keys circulate; each query slice assembles its full score rows [Lq, L] (blocks by source)
-        blocks, kc = [None] * ring.n, k
-        for step in range(ring.n):
-            src = (ring.r - step) % ring.n
-            allowed = _mask(positions[ring.r], positions[src], causal)
-            blocks[src] = (qf.new_full((*qf.shape[:-1], kc.shape[-2]), float("-inf")) if allowed is False
-                           else _scores(qf, kc.float(), allowed, scale))
-            if step < ring.n - 1:
-                kc = ring.pass_on([kc])[0]
-        p = torch.softmax(torch.cat(blocks, -1), -1)
-        # stage two: values circulate; out = Σ_src P[:, src block] V_src
-        lk, out, vc = k.shape[-2], torch.zeros_like(qf), v
-        for step in range(ring.n):
-            src = (ring.r - step) % ring.n
-            out += p[..., src * lk:(src + 1) * lk] @ vc.float()
-            if step < ring.n - 1:
-                vc = ring.pass_on([vc])[0]
-        ctx.save_for_backward(q, k, v, p)
-        ctx.group = group
-        return out.to(q.dtype)
+        ring, pos = _Ring(group), _host_positions(positions)
+        out, lse = _ring_forward(ring, q, k, v, pos, causal, keys=_assemble_keys(ring, k))
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.pos = group, causal, pos
+        return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, p = ctx.saved_tensors
-        ring, scale = _Ring(ctx.group), q.shape[-1] ** -0.5
-        qf, do, lk = q.float(), dout.float(), k.shape[-2]
-        # values circulate again with their dV accumulators: dP rows are assembled, dV goes home
-        dp = torch.empty_like(p)
-        vc, dv = v, torch.zeros_like(v, dtype=torch.float32)
-        for step in range(ring.n):
-            src = (ring.r - step) % ring.n
-            sl = slice(src * lk, (src + 1) * lk)
-            dp[..., sl] = do @ vc.float().transpose(-1, -2)
-            dv += p[..., sl].transpose(-1, -2) @ do
-            vc, dv = ring.pass_on([vc, dv]) if step < ring.n - 1 else (vc, ring.pass_on([dv])[0])
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
-        # keys circulate with their dK accumulators
-        kc, dk, dq = k, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(qf)
-        for step in range(ring.n):
-            src = (ring.r - step) % ring.n
-            sl = slice(src * lk, (src + 1) * lk)
-            dq += (ds[..., sl] @ kc.float()) * scale
-            dk += (ds[..., sl].transpose(-1, -2) @ qf) * scale
-            kc, dk = ring.pass_on([kc, dk]) if step < ring.n - 1 else (kc, ring.pass_on([dk])[0])
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        q, k, v, out, lse = ctx.saved_tensors
+        ring = _Ring(ctx.group)
+        grads = _ring_backward(ring, dout, q, k, v, out, lse, ctx.pos, ctx.causal, keys=_assemble_keys(ring, k))
+        return *grads, None, None, None
 
 
 class ContextParallelAttention(nn.Module):
@@ -205,8 +180,8 @@ class ContextParallelAttention(nn.Module):
             raise LowbitError(f"parallel.cp_impl: {impl!r} is not one of ring, rsa")
         self.group, self.impl, self.causal = group, impl, causal
         n = dist.get_world_size(group)
-        self.register_buffer("positions", torch.stack([shard_positions(seq_len, n, r, layout) for r in range(n)]),
-                             persistent=False)
+        # on the host, not a buffer: the block schedule is decided from them in Python, with no device sync
+        self.positions = torch.stack([shard_positions(seq_len, n, r, layout) for r in range(n)])
 
     def forward(self, q, k, v, positions=None):
         fn = RingAttention if self.impl == "ring" else RingSelfAttention
@@ -218,3 +193,16 @@ def apply_context_parallel(model: nn.Module, group, seq_len: int, impl: str, lay
     for m in model.modules():
         if hasattr(m, "core") and hasattr(m, "wq"):
             m.core = ContextParallelAttention(group, seq_len, impl, layout=layout).to(m.wq.weight.device)
+
+
+class OneDeviceRingCore(nn.Module):
+    """An attention core [B, H, L, D] that runs the block schedule of a cp-rank ring on this one device
+    (ring_blocks.OneDeviceRing): a model that measures, on one GPU, what its context-parallel ranks compute."""
+
+    def __init__(self, cp: int, seq_len: int, layout: str = "zigzag", causal: bool = True):
+        super().__init__()
+        self.causal = causal
+        self.positions = torch.stack([shard_positions(seq_len, cp, r, layout) for r in range(cp)])
+
+    def forward(self, q, k, v, positions=None):
+        return OneDeviceRing.apply(q, k, v, self.positions, self.causal)
