@@ -23,7 +23,7 @@ from lowbit.errors import LowbitError
 from lowbit.models.init import materialize
 from lowbit.models.llama import Llama
 from lowbit.numerics.linear import LowPrecisionLinear
-from lowbit.numerics.recipes import convert, covered_linears
+from lowbit.numerics.recipes import convert, param_groups
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.train.compile import compile_model
 from lowbit.train.config import Config
@@ -59,14 +59,10 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_optimizer(model: torch.nn.Module, recipe, precision: StatePrecision, cfg: Config) -> LowbitAdamW:
-    """AdamW: the weights of the linears the recipe covers with its storage precision, everything else fp32;
-    weight decay on 2+-dim tensors only."""
-    covered = {id(model.get_submodule(name).weight) for name in covered_linears(model, recipe)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if id(p) in covered], "precision": precision, "covered": True},
-              {"params": [p for p in params if id(p) not in covered]}]
+    """AdamW over `param_groups`: the weights of the linears the recipe covers with its storage precision,
+    everything else fp32; weight decay on 2+-dim tensors only."""
     t = cfg.train
-    return LowbitAdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+    return LowbitAdamW(param_groups(model, recipe, precision), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                        weight_decay=t.weight_decay, cuda_graphs=cfg.optim.cuda_graphs)
 
 
