@@ -48,6 +48,8 @@ class ModelConfig:
     performer_chunk: int = opt(256, "performer causal chunk: positions per masked block (256 was fastest on an H200)")
     performer_redraw: int = opt(1000, "redraw performer features every N steps (saved in checkpoints); 0: never")
     checkpointing: str = opt("none", "activation checkpointing: none | full | selective")
+    init_from: str = opt("", "start from these weights: a HF Llama directory (config.json + safetensors, as export-hf "
+                         "writes) or a lowbit run/checkpoint dir; the shape fields must match them; empty: random init")
 
 
 @dataclass

@@ -28,6 +28,7 @@ from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.train.compile import compile_model
 from lowbit.train.config import Config
 from lowbit.train.plan import resolve_recipe
+from lowbit.train.init_from import load_init
 from lowbit.train.inputs import check_inputs, this_rank
 from lowbit.train.metrics import Metrics, plot_losses, truncate_after, warn
 from lowbit.train.report import Clock, report_step
@@ -138,6 +139,8 @@ def train(cfg: Config) -> dict:
     device, dtype, mesh = _start(cfg, recipe)
     inputs = check_inputs(cfg, mesh, recipe)  # the run directory is prepared last, once every input passed
     model = build_model(inputs.args, cfg.train.seed, device)
+    if inputs.init is not None:  # before convert and parallelize: every recipe and layout starts from them
+        load_init(inputs.init, model)
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)  # before any split
     conversion = convert(model, recipe)
     model_keys = set(model.state_dict())  # the whole model's, before any split: what a checkpoint must hold
