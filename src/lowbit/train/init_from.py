@@ -22,8 +22,8 @@ from lowbit.models.hf import check_hf_config, lowbit_name
 from lowbit.models.llama import Llama, ModelArgs
 from lowbit.train import checkpoint as ckpt
 
-# Model args that may differ on resume: how the same function is computed, not which.
-RESUMABLE_CHANGES = ("checkpointing", "init_std", "performer_chunk", "performer_redraw", "sdpa_backend")
+# Model args that may differ on resume: how the same function is computed or regularized, not which.
+RESUMABLE_CHANGES = ("checkpointing", "dropout", "init_std", "performer_chunk", "performer_redraw", "sdpa_backend")
 # ... and from a run's weights: also the rotary table's length (computed, not stored)
 INIT_CHANGES = RESUMABLE_CHANGES + ("max_seq_len",)
 
