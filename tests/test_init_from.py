@@ -77,7 +77,7 @@ def test_hf_weights_that_do_not_fit_are_named(tmp_path):
     with pytest.raises(LowbitError, match="has no weight for layers.1.feed_forward.w2.weight"):
         check_init(str(tmp_path / "missing"), ARGS, "any")
     _hf_dir(tmp_path / "bias", extra={"model.layers.0.self_attn.q_proj.bias": torch.zeros(64)})
-    with pytest.raises(LowbitError, match=r"holds model.layers.0.self_attn.q_proj.bias \[64\], the configured model has no such weight"):
+    with pytest.raises(LowbitError, match=r"q_proj.bias \[64\], the configured model has no such weight"):
         check_init(str(tmp_path / "bias"), ARGS, "any")
     _hf_dir(tmp_path / "shape", extra={"model.norm.weight": torch.zeros(65)})
     with pytest.raises(LowbitError, match=r"holds model.norm.weight \[65\], the configured model \[64\]"):

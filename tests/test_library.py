@@ -105,7 +105,6 @@ def _steps(model, opt, n=3, seed=1):
     return losses
 
 
-@pytest.mark.slow
 def test_custom_module_trains_in_a_user_loop_and_unconverts_to_plain():
     model = _net()
     lowbit.convert(model, "fp8lm-o2", keep_first_last=True)

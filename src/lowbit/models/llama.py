@@ -202,8 +202,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
-        self.core = Performer(a.head_dim, a.performer_features or default_features(a.head_dim),
-                              a.performer_chunk) if a.attention == "performer" else CausalSDPA(a.sdpa_backend, a.dropout)
+        self.core = Performer(a.head_dim, a.performer_features or default_features(a.head_dim), a.performer_chunk) \
+            if a.attention == "performer" else CausalSDPA(a.sdpa_backend, a.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
         B, L, _ = x.shape

@@ -181,6 +181,7 @@ def find_blocks(model: nn.Module) -> tuple[str, int] | None:
 
 
 def model_tree(model: nn.Module) -> Tree:
+    """The model's blocks (`find_blocks`), the prefixes of its first and last, and its output heads."""
     found = find_blocks(model)
     prefix = None if found is None else (f"{found[0]}." if found[0] else "")
     edges = () if found is None else (f"{prefix}0.", f"{prefix}{found[1] - 1}.")
@@ -235,10 +236,11 @@ def keep_matches(name: str, pattern: str) -> bool:
 def check_keep(model: nn.Module, keep: tuple[str, ...]) -> None:
     """Each `keep` pattern must name at least one linear: a typo would otherwise convert everything silently."""
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    example = names[0] if names else "none"
     for k in keep:
         if not any(keep_matches(n, k) for n in names):
             raise LowbitError(f"numerics.keep: {k!r} matches no linear of this model (names look like "
-                              f"{names[0] if names else 'none'!r}; give a name's ending such as 'w2' or 'attention.wo', or a glob over "
+                              f"{example!r}; give a name's ending such as 'w2' or 'attention.wo', or a glob over "
                               f"the whole name such as 'layers.0.*' or '*.feed_forward.*')")
 
 
