@@ -1,6 +1,7 @@
-"""The docs' claims that code can check: the README's library example runs and its recipe table's bytes/param are
-the recipes' own; BENCHMARKS.md's tables match their JSON, every file it names exists and every table has a step of
-benchmarks/run.py that writes it; docs/convergence.md's results table matches the committed results."""
+"""The docs' claims that code can check: the README's library example and docs/library.md's examples run, the
+README's recipe table's bytes/param are the recipes' own; BENCHMARKS.md's tables match their JSON, every file it
+names exists and every table has a step of benchmarks/run.py that writes it; docs/convergence.md's results table
+matches the committed results."""
 
 import json
 import os
@@ -21,6 +22,21 @@ def test_readme_library_example_runs():
     scope: dict = {}
     exec(compile(code, "README.md", "exec"), scope)
     assert scope["loss"].isfinite() and scope["opt"].state  # a step was taken, with states
+
+
+@pytest.mark.slow
+def test_library_page_examples_run():
+    """docs/library.md's examples, in order, as one script (its HF model needs transformers)."""
+    pytest.importorskip("transformers")
+    page = (Path(__file__).parent.parent / "docs" / "library.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", page, re.S)
+    assert len(blocks) >= 6
+    scope: dict = {"__name__": "library_md"}
+    exec(compile("\n".join(blocks), "docs/library.md", "exec"), scope)
+    assert scope["opt"].state and scope["mine_opt"].state and scope["stats"]
+    assert len(scope["chosen"]["converted"]) == 8  # gate and up projections of 4 blocks
+    assert scope["kept"] == [f"blocks.{i}.{w} (first/last block)" for i in (0, 3) for w in ("up", "down")] + \
+        ["unembed (output head)"]
 
 
 def test_readme_recipe_table_matches_the_recipes():

@@ -313,3 +313,48 @@ def test_sdpa_backends_agree_and_trace_whole():
         CausalSDPA("cudnn")(q, k, v)
     with pytest.raises(LowbitError, match="not one of"):
         CausalSDPA("fast")
+
+
+def _loss_and_grads(model, x):
+    loss = model(x, x)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    return loss.detach(), grads
+
+
+def test_dropout_zero_is_the_plain_block_and_train_equals_eval():
+    """model.dropout 0 adds no op: a block is exactly x + attention, + feed-forward, and training mode computes
+    what eval mode does."""
+    torch.manual_seed(0)
+    model = Llama(small_args())
+    x = torch.randint(0, 320, (2, 16))
+    block, h = model.layers[0], model.tok_embeddings(x)
+    cos, sin = model.rope_cos[:16], model.rope_sin[:16]
+    mid = h + block.attention(block.attention_norm(h), cos, sin)
+    assert torch.equal(block(h, cos, sin), mid + block.feed_forward(block.ffn_norm(mid)))
+    train = _loss_and_grads(model.train(), x)
+    evaluated = _loss_and_grads(model.eval(), x)
+    assert torch.equal(train[0], evaluated[0]) and all(torch.equal(a, b) for a, b in zip(train[1], evaluated[1]))
+
+
+def test_dropout_changes_training_only_and_recomputes_its_masks():
+    torch.manual_seed(0)
+    plain = Llama(small_args())
+    dropped = Llama(small_args(dropout=0.2))
+    dropped.load_state_dict(plain.state_dict())
+    x = torch.randint(0, 320, (2, 32))
+    torch.manual_seed(1)
+    loss, grads = _loss_and_grads(dropped.train(), x)
+    assert not torch.equal(loss, plain.train()(x, x).detach())
+    assert not torch.equal(loss, dropped(x, x).detach())  # fresh masks each step
+    with torch.no_grad():
+        assert torch.equal(dropped.eval()(x), plain.eval()(x))  # validation and generation: no dropout
+    for policy in ("full", "selective"):  # the recomputed forward draws the masks the first one drew
+        again = Llama(small_args(dropout=0.2, checkpointing=policy))
+        again.load_state_dict(plain.state_dict())
+        torch.manual_seed(1)
+        loss2, grads2 = _loss_and_grads(again.train(), x)
+        assert torch.equal(loss, loss2), policy
+        for a, b in zip(grads, grads2):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-6)

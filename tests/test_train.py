@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SMALL, cli, losses, read_metrics
+from conftest import SMALL, assert_user_error, cli, losses, read_metrics
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.trainer import lr_lambda
 
@@ -235,3 +235,22 @@ def test_signal_during_validation_stops_with_a_checkpoint(tmp_path, capsys, monk
     monkeypatch.setattr(trainer, "evaluate", evaluate)
     code, out, _ = cli(capsys, "train", *SMALL, "--train.steps", "8", "--run.dir", run, "--run.resume")
     assert code == 0 and "step 5" in out and max(losses(run)) == 8
+
+
+def test_dropout_refused_where_it_cannot_run(tmp_path, capsys):
+    for extra, needle in ((["--model.attention", "performer"], "model.attention performer"),
+                          (["--parallel.cp", "2"], "parallel.cp > 1"), (["--parallel.tp", "2"], "parallel.tp > 1")):
+        assert_user_error(capsys, ["train", *SMALL, "--model.dropout", "0.1", *extra, "--run.dir", tmp_path / "x"],
+                          "model.dropout (0.1): not with", needle)
+    assert_user_error(capsys, ["train", *SMALL, "--model.dropout", "1", "--run.dir", tmp_path / "x"],
+                      "model.dropout: must be in [0, 1)")
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.slow
+def test_dropout_changes_the_training_loss(tmp_path, capsys):
+    base = [*SMALL, "--train.steps", "2", "--train.eval_every", "2"]
+    for name, extra in (("plain", []), ("dropout", ["--model.dropout", "0.3"])):
+        assert cli(capsys, "train", *base, *extra, "--run.dir", tmp_path / name)[0] == 0
+    plain, dropped = losses(tmp_path / "plain"), losses(tmp_path / "dropout")
+    assert plain[1] != dropped[1] and math.isfinite(dropped[2])  # the same weights at step 1, other masks

@@ -57,6 +57,7 @@ class ModelArgs:
     performer_chunk: int = 256
     performer_redraw: int = 1000
     checkpointing: str = "none"
+    dropout: float = 0.0  # SDPA's attention weights and each block's two residual branches; training only
 
     @property
     def head_dim(self) -> int:
@@ -174,18 +175,20 @@ def sdpa_order(backend: str, q: torch.Tensor) -> list[SDPBackend] | None:
 class CausalSDPA(nn.Module):
     """Exact causal attention: flash / memory-efficient kernels skip masked blocks and store no attention weights."""
 
-    def __init__(self, backend: str = "auto"):
+    def __init__(self, backend: str = "auto", dropout: float = 0.0):
         super().__init__()
         if backend != "auto" and backend not in SDPA_BACKENDS:
             raise LowbitError(f"model.sdpa_backend: {backend!r} is not one of auto, {', '.join(SDPA_BACKENDS)}")
-        self.backend = backend
+        self.backend, self.dropout = backend, dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions=None) -> torch.Tensor:
         order = sdpa_order(self.backend, q)
+        # dropout_p only when set: a run without dropout calls SDPA exactly as before
+        kw = {"dropout_p": self.dropout} if self.dropout and self.training else {}
         if order is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
         with sdpa_kernel(order):
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, **kw)
 
 
 class Attention(nn.Module):
@@ -199,8 +202,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wv = nn.Linear(a.dim, a.n_kv_heads * a.head_dim, bias=False)
         self.wo = nn.Linear(a.n_heads * a.head_dim, a.dim, bias=False)
-        self.core = Performer(a.head_dim, a.performer_features or default_features(a.head_dim),
-                              a.performer_chunk) if a.attention == "performer" else CausalSDPA(a.sdpa_backend)
+        self.core = Performer(a.head_dim, a.performer_features or default_features(a.head_dim), a.performer_chunk) \
+            if a.attention == "performer" else CausalSDPA(a.sdpa_backend, a.dropout)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
         B, L, _ = x.shape
@@ -275,6 +278,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(a.dim, a.norm_eps)
         self.feed_forward = FeedForward(a)
         self.checkpointing = a.checkpointing
+        self.dropout = a.dropout
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
         """The block under the activation checkpointing policy. Applied here, inside the block, so that a block
@@ -287,8 +291,14 @@ class Block(nn.Module):
         return self.compute(x, cos, sin, positions)
 
     def compute(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions=None) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin, positions)
-        return h + self.feed_forward(self.ffn_norm(h))
+        h = x + self.residual(self.attention(self.attention_norm(x), cos, sin, positions))
+        return h + self.residual(self.feed_forward(self.ffn_norm(h)))
+
+    def residual(self, branch: torch.Tensor) -> torch.Tensor:
+        """A residual branch's output, under dropout while training (none at all when model.dropout is 0). A
+        checkpointed block recomputes it with the RNG state of the first pass (torch.utils.checkpoint keeps it), so
+        the masks agree."""
+        return F.dropout(branch, self.dropout, training=True) if self.dropout and self.training else branch
 
 
 def _selective_policy():

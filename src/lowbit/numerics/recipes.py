@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from fnmatch import fnmatchcase
+from typing import Callable
 
 from torch import nn
 
@@ -26,6 +27,8 @@ class Recipe:
     keep_first_last: bool = False  # the first and last transformer blocks stay high precision
     min_dim: int = 0  # linears with in or out features below this stay high precision (too small to gain)
     keep: tuple[str, ...] = ()  # linears that stay high precision, by name: a glob ("layers.0.*") or a suffix ("w2")
+    # filter(module, name): False leaves that linear high precision (torchao's module_filter_fn), beside the above
+    filter: Callable[[nn.Module, str], bool] | None = None
     optim: StatePrecision = StatePrecision()  # storage of the covered weights and their optimizer states
     needs_grad_clip: bool = False  # the recipe is only stable with gradient clipping (train.grad_clip > 0)
     # SwiGLU's and the norms' inputs kept for backward in this format, a scale per token (COAT); None: as
@@ -152,18 +155,68 @@ def with_scaling(recipe: Recipe, strategy: str = "", history: int | None = None,
     return replace(recipe, linear=replace(lin, **out))
 
 
-def _kept(name: str, linear: nn.Linear, recipe: Recipe, n_layers: int | None) -> str | None:
+@dataclass(frozen=True)
+class Tree:
+    """What the module filters know of a model, found by its structure rather than by names, so that they work on
+    any module tree (lowbit's Llama, HF's LlamaForCausalLM, a user's own): the repeated blocks and the output head."""
+
+    blocks: str | None  # prefix of the blocks' names ("layers.", "model.layers."); None: no repeated blocks found
+    edges: tuple[str, ...]  # prefixes of the first and last block
+    heads: frozenset[str]  # linears outside the blocks onto the vocabulary (the output head)
+
+
+def find_blocks(model: nn.Module) -> tuple[str, int] | None:
+    """(name, length) of the container of the model's repeated blocks: of the nn.ModuleList and nn.Sequential
+    whose children are all of one type (pipeline placeholders, nn.Identity, aside), the one holding the most
+    parameters; a list of experts or heads inside a block holds fewer than the list of blocks. None if none."""
+    best, most = None, -1
+    for name, m in model.named_modules():
+        if not isinstance(m, (nn.ModuleList, nn.Sequential)) or len(m) == 0:
+            continue
+        kinds = {type(c) for c in m if type(c) is not nn.Identity}
+        size = sum(p.numel() for p in m.parameters())
+        if len(kinds) == 1 and size > most:
+            best, most = (name, len(m)), size
+    return best
+
+
+def model_tree(model: nn.Module) -> Tree:
+    """The model's blocks (`find_blocks`), the prefixes of its first and last, and its output heads."""
+    found = find_blocks(model)
+    prefix = None if found is None else (f"{found[0]}." if found[0] else "")
+    edges = () if found is None else (f"{prefix}0.", f"{prefix}{found[1] - 1}.")
+    vocab = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    inside = (lambda name: False) if prefix is None else (lambda name: name.startswith(prefix))
+    heads = frozenset(name for name, m in model.named_modules() if isinstance(m, nn.Linear) and (
+        name in ("output", "lm_head") or (m.out_features in vocab and not inside(name))))
+    return Tree(prefix, edges, heads)
+
+
+def _kept(name: str, linear: nn.Linear, recipe: Recipe, tree: Tree) -> str | None:
     """Why `name` stays high precision, or None to convert it."""
-    if recipe.keep_lm_head and name in ("output", "lm_head"):
+    if recipe.keep_lm_head and name in tree.heads:
         return "output head"
-    if recipe.keep_first_last and n_layers and name.startswith(("layers.0.", f"layers.{n_layers - 1}.")):
+    if recipe.keep_first_last and name.startswith(tree.edges):
         return "first/last block"
     if min(linear.in_features, linear.out_features) < recipe.min_dim:
         return f"smaller than min_dim {recipe.min_dim}"
     pattern = next((k for k in recipe.keep if keep_matches(name, k)), None)
     if pattern:
         return f"keep {pattern}"
+    if recipe.filter is not None and not recipe.filter(linear, name):
+        return "filter"
     return None
+
+
+def checked_tree(model: nn.Module, recipe: Recipe) -> Tree:
+    """The model's Tree, with the recipe's filters checked against it: a filter that can find nothing is an
+    error, not a silent no-op."""
+    tree = model_tree(model)
+    if recipe.keep_first_last and tree.blocks is None:
+        raise LowbitError("keep_first_last: this model has no repeated blocks to find the first and last of (an "
+                          "nn.ModuleList or nn.Sequential of modules of one type)")
+    check_keep(model, recipe.keep)
+    return tree
 
 
 def keep_patterns(text: str) -> tuple[str, ...]:
@@ -183,19 +236,31 @@ def keep_matches(name: str, pattern: str) -> bool:
 def check_keep(model: nn.Module, keep: tuple[str, ...]) -> None:
     """Each `keep` pattern must name at least one linear: a typo would otherwise convert everything silently."""
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    example = names[0] if names else "none"
     for k in keep:
         if not any(keep_matches(n, k) for n in names):
             raise LowbitError(f"numerics.keep: {k!r} matches no linear of this model (names look like "
-                              f"{names[0]!r}; give a name's ending such as 'w2' or 'attention.wo', or a glob over "
+                              f"{example!r}; give a name's ending such as 'w2' or 'attention.wo', or a glob over "
                               f"the whole name such as 'layers.0.*' or '*.feed_forward.*')")
 
 
 def covered_linears(model: nn.Module, recipe: Recipe) -> list[str]:
     """Names of the linears the recipe covers: the converted ones, or for a recipe without low-precision linears
     (bf16) the ones its filters would convert. Their weights get the recipe's optimizer precision."""
-    n_layers = len(model.layers) if hasattr(model, "layers") else None
+    tree = model_tree(model) if recipe.linear is None else None
     return [name for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)
-            or (recipe.linear is None and type(m) is nn.Linear and _kept(name, m, recipe, n_layers) is None)]
+            or (tree is not None and type(m) is nn.Linear and _kept(name, m, recipe, tree) is None)]
+
+
+def param_groups(model: nn.Module, recipe: Recipe, precision: StatePrecision | None = None) -> list[dict]:
+    """LowbitAdamW's parameter groups: the weights of the linears the recipe covers with its optimizer storage
+    (`precision`, by default the recipe's), everything else in the default (fp32) one. Empty groups are left out."""
+    covered = {id(model.get_submodule(name).weight) for name in covered_linears(model, recipe)}
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if id(p) in covered], "precision": precision or recipe.optim,
+               "covered": True},
+              {"params": [p for p in params if id(p) not in covered]}]
+    return [g for g in groups if g["params"]]
 
 
 def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
@@ -203,28 +268,24 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     Returns {"converted": [names], "kept": ["name (reason)"]} (and "compressed": the modules whose saved activations
     the recipe stores compressed). Embeddings are not linears and stay as they are."""
     report = {"converted": [], "kept": []}
-    n_layers = len(model.layers) if hasattr(model, "layers") else None
-    check_keep(model, recipe.keep)
+    tree = checked_tree(model, recipe)
     if recipe.saved_activations is not None:
-        # keep_first_last: the edge blocks, and the final norm outside them, stay exact
-        edge = ("layers.0.", f"layers.{n_layers - 1}.") if n_layers else ()
-        skip = (lambda name: name.startswith(edge) or not name.startswith("layers.")) if recipe.keep_first_last \
-            else (lambda name: False)
+        # keep_first_last: the edge blocks, and what lies outside the blocks (the final norm), stay exact
+        skip = (lambda name: name.startswith(tree.edges) or not name.startswith(tree.blocks)) \
+            if recipe.keep_first_last else (lambda name: False)
         report["compressed"] = compress_saved_activations(model, recipe.saved_activations, skip)
     if recipe.linear is None:
         return report
-    chosen = [(name, m) for name, m in model.named_modules()
-              if type(m) is nn.Linear and _kept(name, m, recipe, n_layers) is None]
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    reasons = {name: _kept(name, m, recipe, tree) for name, m in linears}  # the user's filter called once each
     lin = recipe.linear
     if "e2m1" in (lin.input.format.name, lin.weight.format.name, lin.grad_output.format.name):
-        for name, m in chosen:  # every layer checked before any is swapped
-            check_fp4_dims(name, m.in_features, m.out_features)
-    for name, module in list(model.named_modules()):
-        if type(module) is not nn.Linear:
-            continue
-        reason = _kept(name, module, recipe, n_layers)
-        if reason:
-            report["kept"].append(f"{name} ({reason})")
+        for name, m in linears:  # every layer checked before any is swapped
+            if reasons[name] is None:
+                check_fp4_dims(name, m.in_features, m.out_features)
+    for name, module in linears:
+        if reasons[name]:
+            report["kept"].append(f"{name} ({reasons[name]})")
             continue
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

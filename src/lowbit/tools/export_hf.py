@@ -8,48 +8,10 @@ import json
 import shutil
 from pathlib import Path
 
-import torch
 from safetensors.torch import save_file
 
 from lowbit.errors import LowbitError
-from lowbit.models.llama import Llama, ModelArgs
-
-# lowbit name -> HF name, per block
-_BLOCK = {
-    "attention.wq": "self_attn.q_proj", "attention.wk": "self_attn.k_proj", "attention.wv": "self_attn.v_proj",
-    "attention.wo": "self_attn.o_proj", "feed_forward.w1": "mlp.gate_proj", "feed_forward.w3": "mlp.up_proj",
-    "feed_forward.w2": "mlp.down_proj", "attention_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-}
-
-
-def hf_state_dict(model: Llama) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in model.state_dict().items():
-        if name == "tok_embeddings.weight":
-            out["model.embed_tokens.weight"] = t
-        elif name == "norm.weight":
-            out["model.norm.weight"] = t
-        elif name == "output.weight":
-            out["lm_head.weight"] = t
-        elif name.startswith("layers."):
-            _, i, rest = name.split(".", 2)
-            module, leaf = rest.rsplit(".", 1)
-            out[f"model.layers.{i}.{_BLOCK[module]}.{leaf}"] = t
-        else:
-            raise LowbitError(f"export-hf: parameter {name} has no HF LlamaForCausalLM counterpart")
-    return {k: v.detach().contiguous().cpu() for k, v in out.items()}
-
-
-def hf_config(a: ModelArgs, eos: int) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": a.dim,
-        "intermediate_size": a.ffn_dim, "num_hidden_layers": a.n_layers, "num_attention_heads": a.n_heads,
-        "num_key_value_heads": a.n_kv_heads, "head_dim": a.head_dim, "vocab_size": a.vocab_size,
-        "max_position_embeddings": a.max_seq_len, "rms_norm_eps": a.norm_eps, "rope_theta": a.rope_theta,
-        "tie_word_embeddings": a.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "initializer_range": a.init_std, "bos_token_id": eos, "eos_token_id": eos,
-        "torch_dtype": "float32",
-    }
+from lowbit.models.hf import hf_config, hf_state_dict
 
 
 def export(run_dir: str, out_dir: str) -> Path:

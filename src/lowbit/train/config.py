@@ -48,6 +48,10 @@ class ModelConfig:
     performer_chunk: int = opt(256, "performer causal chunk: positions per masked block (256 was fastest on an H200)")
     performer_redraw: int = opt(1000, "redraw performer features every N steps (saved in checkpoints); 0: never")
     checkpointing: str = opt("none", "activation checkpointing: none | full | selective")
+    dropout: float = opt(0.0, "dropout probability of the attention weights and of each block's attention and MLP "
+                         "outputs; training only (off in validation and generation)")
+    init_from: str = opt("", "start from these weights: a HF Llama directory (config.json + safetensors, as export-hf "
+                         "writes) or a lowbit run/checkpoint dir; the shape fields must match them; empty: random init")
 
 
 @dataclass
@@ -356,6 +360,8 @@ def validate(cfg: Config) -> None:
     for key in NON_NEGATIVE:
         if get(cfg, key) < 0:
             raise LowbitError(f"{key}: must be >= 0, got {get(cfg, key)}")
+    if not 0 <= cfg.model.dropout < 1:
+        raise LowbitError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
     if not 0 <= cfg.data.val_fraction < 1:
         raise LowbitError(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
     if not (0 <= cfg.train.beta1 < 1 and 0 <= cfg.train.beta2 < 1):

@@ -16,10 +16,9 @@ from lowbit.errors import LowbitError
 from lowbit.models.llama import ModelArgs, resolve_model_args
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.config import Config, to_toml
+from lowbit.train.init_from import RESUMABLE_CHANGES, InitSource, check_init
 from lowbit.train.metrics import check_tensorboard, warn
 
-# Model args that may differ on resume: how the same function is computed, not which.
-RESUMABLE_CHANGES = ("checkpointing", "init_std", "performer_chunk", "performer_redraw", "sdpa_backend")
 
 
 @dataclass
@@ -34,6 +33,7 @@ class Inputs:
     resume_from: Path | None
     resumed: tuple | None  # (state, info) of resume_from, loaded
     config_text: str
+    init: InitSource | None = None  # model.init_from, checked; None when resuming or not asked for
 
 
 def check_inputs(cfg: Config, mesh, recipe) -> Inputs:
@@ -53,11 +53,13 @@ def check_inputs(cfg: Config, mesh, recipe) -> Inputs:
     if resume_from is not None:
         resumed = ckpt.load_state(resume_from)
         check_resumable(resume_from, resumed[1], dataset, data_path, args, recipe)
+    init = check_init(cfg.model.init_from, args, dataset.meta["tokenizer_hash"]) \
+        if cfg.model.init_from and resumed is None else None
     if cfg.run.tensorboard:
         check_tensorboard()
     config_text = to_toml(cfg)  # a value TOML cannot hold fails here, before the run dir exists
     lead_first(mesh, lambda: prepare_run_dir(run_dir, cfg.run.resume) if lead else None)
-    return Inputs(data_path, dataset, args, loader, val_data, resume_from, resumed, config_text)
+    return Inputs(data_path, dataset, args, loader, val_data, resume_from, resumed, config_text, init)
 
 
 def _validation_batches(cfg: Config, dataset: TokenDataset, data_path: Path, lead: bool) -> list:

@@ -35,10 +35,25 @@ def check(cfg: Config) -> Recipe:
     if cfg.model.attention != "sdpa" and cfg.model.sdpa_backend != "auto":
         raise LowbitError(f"model.sdpa_backend ({cfg.model.sdpa_backend}): model.attention is "
                           f"{cfg.model.attention}, which runs no SDPA kernel")
+    if cfg.model.dropout:
+        _check_dropout(cfg)
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
     args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
     check_layout(cfg, args, recipe.optim)
     return recipe
+
+
+def _check_dropout(cfg: Config) -> None:
+    """Dropout runs in the exact attention (SDPA's dropout_p) and on the residual branches, under dp, dp_shard and
+    pp; the attention cores that have none, and tensor parallelism, whose ranks draw one RNG stream (so their head
+    shards would drop alike), are refused."""
+    why = {"model.attention performer": (cfg.model.attention != "sdpa", "FAVOR+ attention has no attention dropout"),
+           "parallel.cp > 1": (cfg.parallel.cp > 1, "the ring attention has no attention dropout"),
+           "parallel.tp > 1": (cfg.parallel.tp > 1, "the ranks draw one RNG stream, so their shards would drop "
+                                                     "alike")}
+    for key, (found, reason) in why.items():
+        if found:
+            raise LowbitError(f"model.dropout ({cfg.model.dropout}): not with {key} ({reason}); set model.dropout 0")
 
 
 def _check_keep(cfg: Config) -> None:

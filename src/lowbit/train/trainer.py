@@ -23,11 +23,12 @@ from lowbit.errors import LowbitError
 from lowbit.models.init import materialize
 from lowbit.models.llama import Llama
 from lowbit.numerics.linear import LowPrecisionLinear
-from lowbit.numerics.recipes import convert, covered_linears
+from lowbit.numerics.recipes import convert, param_groups
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.train.compile import compile_model
 from lowbit.train.config import Config
 from lowbit.train.plan import resolve_recipe
+from lowbit.train.init_from import load_init
 from lowbit.train.inputs import check_inputs, this_rank
 from lowbit.train.metrics import Metrics, plot_losses, truncate_after, warn
 from lowbit.train.report import Clock, report_step
@@ -59,14 +60,10 @@ def compute_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def build_optimizer(model: torch.nn.Module, recipe, precision: StatePrecision, cfg: Config) -> LowbitAdamW:
-    """AdamW: the weights of the linears the recipe covers with its storage precision, everything else fp32;
-    weight decay on 2+-dim tensors only."""
-    covered = {id(model.get_submodule(name).weight) for name in covered_linears(model, recipe)}
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if id(p) in covered], "precision": precision, "covered": True},
-              {"params": [p for p in params if id(p) not in covered]}]
+    """AdamW over `param_groups`: the weights of the linears the recipe covers with its storage precision,
+    everything else fp32; weight decay on 2+-dim tensors only."""
     t = cfg.train
-    return LowbitAdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
+    return LowbitAdamW(param_groups(model, recipe, precision), lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                        weight_decay=t.weight_decay, cuda_graphs=cfg.optim.cuda_graphs)
 
 
@@ -142,6 +139,8 @@ def train(cfg: Config) -> dict:
     device, dtype, mesh = _start(cfg, recipe)
     inputs = check_inputs(cfg, mesh, recipe)  # the run directory is prepared last, once every input passed
     model = build_model(inputs.args, cfg.train.seed, device)
+    if inputs.init is not None:  # before convert and parallelize: every recipe and layout starts from them
+        load_init(inputs.init, model)
     n_params, flops_per_token = model.num_params(), model.flops_per_token(cfg.data.seq_len)  # before any split
     conversion = convert(model, recipe)
     model_keys = set(model.state_dict())  # the whole model's, before any split: what a checkpoint must hold
