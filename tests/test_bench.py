@@ -207,11 +207,43 @@ def test_profile_kernel_kinds_and_idle_union():
     assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
                 "cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t>>>") == "attention"
     assert kind("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
-    assert kind("triton_poi_fused__scaled_mm_abs_amax_clamp_0") == "fused"
-    assert kind("triton_poi_fused__to_copy_abs_amax_0") == "fused"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1") == "attention"
+    # inductor's kernels by the ops they list: quantization alone, fused into bf16's work, or bf16's work only
+    assert kind("triton_red_fused_abs_amax_19") == "quant"
+    assert kind("triton_poi_fused__scaled_mm__to_copy_clamp_expand_mul_t_21") == "quant"
+    assert kind("triton_per_fused__to_copy_abs_max_mul_view_27") == "quant"  # torchao's amax: abs + max
+    assert kind("triton_red_fused_abs_amax_mul_silu_silu_backward_view_4") == "fused_quant"
+    assert kind("triton_red_fused_abs_add_amax_mean_mul_pow_rsqrt_view_0") == "fused_quant"
+    assert kind("triton_poi_fused__unsafe_view_mul_silu_8") == "fused"
+    assert kind("triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_6") == "fused"
+    # lowbit's own Triton kernels, eager aten kernels touching FP8, the rest
+    assert kind("_cast_transpose_kernel") == kind("_amax_kernel") == kind("_cast_kernel") == "quant"
+    assert kind("_rmsnorm_fp8_kernel") == kind("_swiglu_fp8_kernel") == "fused_quant"
+    assert kind("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::"
+                "TensorIteratorBase&)::{lambda(c10::Float8_e4m3fn)#1}>") == "quant"
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "aten"
+    assert kind("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata"
+                ">") == "aten"
     assert covered([(0, 4), (2, 6), (10, 11), (10.5, 10.7)]) == 7  # overlaps counted once, the gap not at all
     assert idle(10.0, 7.5) == 2.5 and idle(10.0, 12.0) == 0.0  # the profiled step may outlast the timed one
+
+
+def test_profile_side_by_side_puts_variants_in_columns_with_their_difference_to_bf16():
+    from lowbit.tools.bench.profile import KIND_NAMES, side_by_side
+
+    kinds = {f"{k}_ms": 1.0 for k in KIND_NAMES}
+    rows = [{"variant": "bf16", **kinds, "quant_ms": 0.0, "fused_quant_ms": 0.0, "fused_ms": 30.0, "gemm_ms": 100.0,
+             "idle_ms": 5.0, "step_ms": 140.0},
+            {"variant": "lowbit fp8-tensorwise", **kinds, "quant_ms": 4.0, "fused_quant_ms": 35.0, "fused_ms": 14.0,
+             "gemm_ms": 60.0, "idle_ms": 4.0, "step_ms": 120.0},
+            {"variant": "broken", "error": "out of memory"}]
+    lines = side_by_side(rows).split("\n")
+    assert lines[0] == "| ms per step | bf16 | lowbit fp8-tensorwise |"  # an error row has no column
+    table = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert table["GEMM"] == ["100.0", "60.0 (-40.0) |"]
+    assert table["quantization"] == ["0.0", "4.0 (+4.0) |"]
+    assert table["quantization + fused, all"] == ["30.0", "53.0 (+23.0) |"]  # 4 + 35 + 14 against 0 + 0 + 30
+    assert table["GPU idle"] == ["5.0", "4.0 (-1.0) |"] and table["step (timed)"] == ["140.0", "120.0 (-20.0) |"]
 
 
 def test_bench_step_variant_trains_with_its_setting(tmp_path, capsys, monkeypatch):

@@ -97,7 +97,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                 "tokens/s there (a `capacity` table)")
             s.add_argument("--profile", action="store_true",
                            help="also time forward, backward and optimizer apart and, on a GPU, sum one step's "
-                                "kernel time by kind (GEMM, attention, fused, aten) with the GPU's idle time")
+                                "kernel time by kind (GEMM, attention, quantization, fused, other) with the GPU's idle time")
         if what == "mlp":
             s.add_argument("--no-quantize", action="store_true", help="skip the quantization timing")
 
