@@ -16,12 +16,13 @@ SHAPES = {
     "gemm": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
     "linear": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
     "mlp": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
+    "kernels": ["--tokens", "32", "--dim", "48", "--hidden", "64"],
     "block": ["--preset", "tiny", "--batch", "2", "--seq", "16"],
     "step": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "memory": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "optim": ["--preset", "tiny", "--seq", "16", "--vocab", "256", "--recipes", "fp8-tensorwise,fp8lm-o2"],
 }
-TABLE = {"gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
+TABLE = {"kernels": "cast_transpose", "gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
          "optim": "optim"}
 
 
@@ -44,9 +45,14 @@ def test_bench_subcommand(what, tmp_path, capsys):
     if what == "gemm":
         assert {"bf16", "fp8 tensorwise"} <= names
         assert len(rows) == 4 * len(mlp_gemm_shapes(32, 32, 64))
+    elif what == "kernels":  # on the CPU: the op's torch formula; no floor without a known GPU
+        assert names == {"lowbit cast_transpose (one pass)", "lowbit cast_transpose + amax",
+                         "cast, then transpose the FP8 bytes",
+                         "current scaling: amax pass + cast_transpose"}
+        assert "quantize" in doc["tables"]
     else:
         assert {"bf16", "lowbit fp8-tensorwise"} <= names
-    if what != "gemm" and torchao_module() is None:
+    if what not in ("gemm", "kernels") and torchao_module() is None:
         assert "torchao is not installed" in stdout
     if what in ("gemm", "linear", "mlp", "block", "step", "optim"):
         assert all(r["ms"] > 0 and len(r["ms_each"]) == 1 for r in rows if r["variant"] != "memory floor (one pass)")

@@ -217,7 +217,10 @@ def test_step_profile_sorts_real_kernel_names():
     got = kernel_ms(step, torch.device("cuda"))
     assert got["gemm_ms"] > 0 and got["attention_ms"] > 0 and got["kernels"] > 0, got
     assert not any(k["kernel"].startswith("Optimizer.") for k in got["top"]), got["top"]
-    total = sum(got[f"{k}_ms"] for k in ("attention", "fused", "gemm", "aten"))
+    from lowbit.tools.bench.profile import KIND_NAMES
+
+    assert got["quant_ms"] + got["fused_quant_ms"] > 0, got  # eager: lowbit's amax/cast kernels
+    total = sum(got[f"{k}_ms"] for k in KIND_NAMES)
     assert 0 < got["busy_ms"] <= total * 1.001
 
 
@@ -459,3 +462,81 @@ def test_triton_update_writes_what_the_compiled_update_writes(weights, master, g
         assert apart.max().item() <= 1 and (apart > 0).float().mean().item() < 0.02, \
             (name, a.dtype, apart.max().item(), (apart > 1).sum().item(), apart.float().mean().item(),
              a.flatten()[worst].item(), b.flatten()[worst].item())
+
+
+def _same_bytes(a, b):
+    """The same FP8 bytes, NaNs aside (their bit patterns may differ)."""
+    a, b = a.cpu(), b.cpu()
+    nan = b.float().isnan()
+    return torch.equal(a.float().isnan(), nan) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["plain", "inf", "nan", "saturating", "odd size"])
+def test_triton_cast_transpose_is_the_torch_formula_bit_for_bit(case, fmt, dtype):
+    """lowbit::cast_transpose on the GPU: y and yᵀ the bytes of the torch cast formula (its CPU kernel), the amax
+    group_amax's; and torch.compile keeps the op as one call."""
+    import math
+
+    from lowbit.numerics import kernels
+    from lowbit.numerics.scaling import Scaling, group_amax
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    x = torch.randn(1000, 4097 if case == "odd size" else 4096) * 3
+    x[5, 7] = math.inf if case == "inf" else x[5, 7]
+    x[9, 1] = math.nan if case == "nan" else x[9, 1]
+    x = (x * 1e3 if case == "saturating" else x).to(dtype)
+    scale = torch.tensor(448.0 / 9.0 if fmt == "e4m3" else 57344.0 / 9.0)
+    e5m2 = fmt == "e5m2"
+    y, yt, amax = torch.ops.lowbit.cast_transpose(x, scale, e5m2, True)  # the CPU kernel: the torch formulas
+    assert torch.equal(yt.float().nan_to_num(7), y.t().float().nan_to_num(7))
+    xg = x.cuda()
+    assert kernels.usable(xg)
+    for with_amax in (True, False):
+        yg, ytg, amax_g = torch.ops.lowbit.cast_transpose(xg, scale.cuda(), e5m2, with_amax)
+        assert _same_bytes(yg, y) and _same_bytes(ytg, yt) and ytg.is_contiguous()
+        want = group_amax(x, Scaling(fmt)) if with_amax else torch.zeros(())
+        torch.testing.assert_close(amax_g.cpu(), want, rtol=0, atol=0, equal_nan=True)
+    compiled = torch.compile(lambda t, s: torch.ops.lowbit.cast_transpose(t, s * 1.0, e5m2, False), fullgraph=True)
+    yc, ytc, _ = compiled(xg, scale.cuda())
+    assert _same_bytes(yc, y) and _same_bytes(ytc, yt)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+def test_fused_cast_transpose_linear_matches_the_unfused_path_bit_for_bit(recipe, monkeypatch):
+    """Eager on a GPU a tensorwise FP8 linear casts x, W and dy with their transposes in one pass each and keeps
+    the transposed copies: y, dx and dW are the bits of the path that transposes the FP8 bytes in backward."""
+    import lowbit.numerics.linear as linear_mod
+    import lowbit.numerics.qtensor as qtensor_mod
+    from lowbit.numerics import kernels
+    from lowbit.numerics.recipes import convert, get_recipe
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    calls = []
+    real_op = torch.ops.lowbit.cast_transpose
+
+    def run(fused):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(512, 768, bias=False), torch.nn.Linear(768, 256, bias=False))
+        convert(m, get_recipe(recipe))
+        m.cuda()
+        x = torch.randn(4, 300, 512, device="cuda", requires_grad=True)
+        monkeypatch.setattr(linear_mod, "transpose_fused", qtensor_mod.transpose_fused if fused else
+                            (lambda t, s: False))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(x)
+        y.float().pow(2).mean().backward()
+        return y.detach(), x.grad, [p.grad for p in m.parameters()]
+
+    monkeypatch.setattr(torch.ops.lowbit, "cast_transpose", lambda *a: calls.append(a[0].shape) or real_op(*a),
+                        raising=False)
+    y0, dx0, dw0 = run(False)
+    assert not calls
+    y1, dx1, dw1 = run(True)
+    assert len(calls) == 6, calls  # x, W and dy of each of the two layers
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and all(torch.equal(a, b) for a, b in zip(dw0, dw1))

@@ -1,5 +1,7 @@
-"""`lowbit bench gemm`: torch._scaled_mm (FP8) against the bf16 matmul on the GEMM shapes of a SwiGLU MLP; and the
-per-tensor quantization timing that `lowbit bench mlp` prints beside its table."""
+"""`lowbit bench gemm`: torch._scaled_mm (FP8) against the bf16 matmul on the GEMM shapes of a SwiGLU MLP; the
+per-tensor quantization timing that `lowbit bench mlp` prints beside its table; `lowbit bench kernels`: that timing,
+the fused cast + transpose and the fused producers (RMSNorm, SwiGLU writing FP8) against their unfused passes and the
+memory floor."""
 
 from __future__ import annotations
 
@@ -129,3 +131,79 @@ def run_quantize(a, device: torch.device, report: Report) -> None:
         report.row(t, {"variant": "memory floor (one pass)", "ms": floor, "gb_s": bw / 1e9})
         # the amax must be known before the cast: any kernel reads x twice (2 + 2 bytes read, 1 written)
         report.row(t, {"variant": "memory floor (amax, then cast)", "ms": floor * 5 / 3, "gb_s": bw / 1e9})
+
+
+def _timed(call, device: torch.device, steps: int, warmup: int, nbytes: int, floor_ms: float | None) -> dict:
+    """ms of `call` alone, back to back and in a CUDA graph (a GPU), GB/s of `nbytes`, and the best of those against
+    `floor_ms` (the memory floor)."""
+    row = time_ms(call, device, steps, warmup)
+    row["ms_back_to_back"] = back_to_back_ms(call, device, steps)
+    if device.type == "cuda":
+        try:
+            row["ms_graph"] = graph_ms(call, device)
+        except Exception as e:  # a capture that fails leaves the column empty, and says why
+            row["graph_error"] = error_row(e)["error"]
+    best = row.get("ms_graph") or row["ms_back_to_back"]
+    row["gb_s"] = nbytes / best / 1e6
+    if floor_ms:
+        row["vs_floor"] = best / floor_ms
+    return row
+
+
+def kernel_columns() -> list[tuple[str, str, str]]:
+    return [("variant", "variant", ""), ("ms", "ms (median, alone)", ".4f"), ("ms_back_to_back", "ms back to back",
+            ".4f"), ("ms_graph", "ms in a CUDA graph", ".4f"), ("gb_s", "GB/s", ".0f"), ("vs_floor", "vs floor", ".2f")]
+
+
+def hbm_floor_ms(report: Report, nbytes: int) -> float | None:
+    bw = next((b for k, b in GPU_HBM_BYTES_PER_S.items() if k in report.meta["device"]), None)
+    return nbytes / bw * 1e3 if bw else None
+
+
+def run_cast_transpose(a, device: torch.device, report: Report) -> None:
+    """E4M3 of a tokens x dim bf16 tensor, row-major and transposed: lowbit's one pass (with a given scale, and
+    with the amax too), the cast then a copy of the transposed bytes, inductor's kernel(s) for the same formula,
+    and current scaling (the amax pass first) against the floor: one bf16 read and two FP8 writes at HBM speed."""
+    from lowbit.numerics import kernels
+    from lowbit.numerics.qtensor import cast
+    from lowbit.numerics.scaling import Scaling
+
+    spec = Scaling("e4m3")
+    g = torch.Generator(device=device).manual_seed(0)
+    inputs = [torch.randn(a.tokens, a.dim, device=device, generator=g).to(torch.bfloat16) for _ in range(4)]
+    turn = itertools.cycle(inputs)  # no call finds its input in L2
+    scale = torch.tensor(448.0 / 5.0, device=device)
+    nbytes = inputs[0].numel() * 4  # 2 read, 1 + 1 written
+    floor = hbm_floor_ms(report, nbytes)
+    t = report.table(Table("cast_transpose", f"E4M3 cast + transpose, {a.tokens} x {a.dim} bf16", kernel_columns()))
+    t.notes.append("vs floor: the CUDA-graph time (else back to back) against one bf16 read and two FP8 writes of the "
+                   "tensor at the HBM bandwidth (the goal: at most 1.3). Inputs cycle through 4 tensors.")
+
+    def formula(x, s):
+        y = (x.float() * s).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+        return y, y.t().contiguous()
+
+    compiled = torch.compile(formula) if a.compile else None
+    op = torch.ops.lowbit.cast_transpose
+    variants = [("lowbit cast_transpose (one pass)", lambda x: op(x, scale, False, False)),
+                ("lowbit cast_transpose + amax", lambda x: op(x, scale, False, True)),
+                ("cast, then transpose the FP8 bytes", lambda x: (lambda y: (y, y.t().contiguous()))(
+                    cast(x, scale, spec))),
+                *([("formula compiled (inductor)", lambda x: compiled(x, scale))] if compiled else []),
+                ("current scaling: amax pass + cast_transpose",
+                 lambda x: op(x, 448.0 / (kernels.amax(x) if kernels.usable(x) else x.abs().amax().float()), False,
+                              False))]
+    for name, fn in variants:
+        row = {"variant": name}
+        try:
+            row.update(_timed(lambda fn=fn: fn(next(turn)), device, a.quantize_steps, a.warmup, nbytes, floor))
+        except Exception as e:
+            row.update(error_row(e))
+        report.row(t, row)
+    if floor:
+        report.row(t, {"variant": "memory floor (read 2 + write 1 + 1 bytes)", "ms": floor, "vs_floor": 1.0})
+
+
+def run_kernels(a, device: torch.device, report: Report) -> None:
+    run_quantize(a, device, report)
+    run_cast_transpose(a, device, report)
