@@ -61,3 +61,36 @@ def test_linear_with_fused_cast_transpose_matches_the_unfused_path_bit_for_bit(m
         fused = run(True, recipe)
         assert len(calls) == 6, calls  # x, W and dy of each layer
         assert all(torch.equal(a, b) for a, b in zip(plain, fused)), recipe
+
+
+def test_fused_producers_on_the_cpu_are_the_unfused_path_bit_for_bit():
+    """swiglu_fp8 / rmsnorm_fp8 (their ops' CPU kernels: the torch formulas) against the model's formula, then
+    lowbit's quantize: current scaling (amax pass, then the cast) and a given scale (one pass, with the amax)."""
+    import torch.nn.functional as F
+
+    from lowbit.numerics.producers import rmsnorm_fp8, swiglu_fp8
+    from lowbit.numerics.qtensor import quantize
+
+    torch.manual_seed(0)
+    a, b = (torch.randn(64, 96, dtype=torch.bfloat16) * 3 for _ in range(2))
+    x, w = torch.randn(64, 80, dtype=torch.bfloat16) * 2, torch.rand(80) + 0.5
+    h_norm = w * (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+    for fmt in ("e4m3", "e5m2"):
+        s = Scaling(fmt)
+        for got, h in ((swiglu_fp8(a, b, s), F.silu(a) * b), (rmsnorm_fp8(x, w, 1e-5, s), h_norm)):
+            q, amax = got[0], got[-1]
+            want = quantize(h, s)
+            assert torch.equal(q.data.view(torch.uint8), want.data.view(torch.uint8))
+            assert torch.equal(q.scale_inv, want.scale_inv) and amax == h.abs().amax().float()
+        scale = torch.tensor(3.0)
+        q, amax = swiglu_fp8(a, b, s, scale)
+        assert torch.equal(q.data.view(torch.uint8), cast(F.silu(a) * b, scale, s).view(torch.uint8))
+        assert amax == (F.silu(a) * b).abs().amax().float()
+        q, rstd, _ = rmsnorm_fp8(x, w, 1e-5, s, scale)
+        assert torch.equal(q.data.view(torch.uint8), cast(h_norm, scale, s).view(torch.uint8))
+        assert torch.equal(rstd, torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5))
+    graphs = []
+    fn = torch.compile(lambda a, b: swiglu_fp8(a, b, Scaling("e4m3"))[0].data, fullgraph=True,
+                       backend=lambda gm, ex: graphs.append(gm) or gm.forward)
+    fn(a, b)
+    assert "lowbit.swiglu_amax" in graphs[0].code and "lowbit.swiglu_cast" in graphs[0].code

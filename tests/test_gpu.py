@@ -540,3 +540,66 @@ def test_fused_cast_transpose_linear_matches_the_unfused_path_bit_for_bit(recipe
     y1, dx1, dw1 = run(True)
     assert len(calls) == 6, calls  # x, W and dy of each of the two layers
     assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and all(torch.equal(a, b) for a, b in zip(dw0, dw1))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["plain", "nan", "odd size"])
+def test_triton_swiglu_fp8_is_the_unfused_path_bit_for_bit(case, fmt):
+    """The fused SwiGLU (silu(a)·b written as FP8) against the model's formula on the GPU and lowbit's quantize:
+    the bytes, the scale and the amax, by current scaling (two passes) and with a given scale (one)."""
+    import math
+
+    import torch.nn.functional as F
+
+    from lowbit.numerics import kernels
+    from lowbit.numerics.producers import swiglu_fp8
+    from lowbit.numerics.qtensor import cast, quantize
+    from lowbit.numerics.scaling import Scaling
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    cols = 1377 if case == "odd size" else 11008
+    a, b = (torch.randn(512, cols, device="cuda").mul(4).to(torch.bfloat16) for _ in range(2))
+    if case == "nan":
+        a[3, 5] = math.nan
+    s = Scaling(fmt)
+    with torch.autocast("cuda", enabled=False):
+        h = F.silu(a) * b
+    want = quantize(h, s)
+    q, amax = swiglu_fp8(a, b, s)
+    assert _same_bytes(q.data, want.data) and torch.equal(q.scale_inv, want.scale_inv)
+    torch.testing.assert_close(amax, h.abs().amax().float(), rtol=0, atol=0, equal_nan=True)
+    scale = torch.tensor(7.0, device="cuda")
+    q, amax = swiglu_fp8(a, b, s, scale)
+    assert _same_bytes(q.data, cast(h, scale, s))
+    torch.testing.assert_close(amax, h.abs().amax().float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_triton_rmsnorm_fp8_is_the_unfused_path_bit_for_bit_given_its_rstd(fmt, wdtype):
+    """The fused RMSNorm written as FP8: its rstd within an ulp or two of torch's (a sum in another order), and the
+    bytes those of the model's formula and lowbit's cast given that rstd; rows whose rstd is torch's are the
+    unfused path's bytes outright."""
+    from lowbit.numerics import kernels
+    from lowbit.numerics.producers import rmsnorm_fp8
+    from lowbit.numerics.qtensor import cast
+    from lowbit.numerics.scaling import Scaling, scale_from_amax
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    s = Scaling(fmt)
+    x = torch.randn(2048, 4096, device="cuda").mul(3).to(torch.bfloat16)
+    w = (torch.rand(4096, device="cuda") + 0.5).to(wdtype)
+    q, rstd, amax = rmsnorm_fp8(x, w, 1e-5, s)
+    ref_rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(rstd, ref_rstd, rtol=3e-7, atol=0)
+    h = w * (x.float() * rstd).to(x.dtype)  # the model's formula with the kernel's rstd
+    assert torch.equal(amax, h.abs().amax().float())
+    scale = scale_from_amax(amax, s)[0]
+    assert torch.equal(q.scale_inv, scale.reciprocal()) and _same_bytes(q.data, cast(h, scale, s))
+    same_rows = (rstd == ref_rstd).squeeze(1)
+    h_torch = w * (x.float() * ref_rstd).to(x.dtype)
+    assert _same_bytes(q.data[same_rows], cast(h_torch, scale, s)[same_rows])

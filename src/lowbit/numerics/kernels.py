@@ -153,8 +153,10 @@ def quantize(x: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> tuple[torch
     return y, scale_inv
 
 
-# Tile of cast_transpose: 64 x 64 elements, 4 warps (one bf16 read of 8 KiB, two FP8 writes of 4 KiB per program).
-CT_BLOCK_M, CT_BLOCK_N, CT_WARPS = 64, 64, 4
+# Tile of cast_transpose: 128 x 128 elements, 8 warps (a bf16 read of 32 KiB, two FP8 writes of 16 KiB, each row of
+# the transposed write 128 contiguous bytes; few enough programs that the amax's two atomics per program do not
+# queue). Module globals: `lowbit bench kernels` times other tiles on a GPU.
+CT_BLOCK_M, CT_BLOCK_N, CT_WARPS = 128, 128, 8
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
 

@@ -200,6 +200,18 @@ def run_cast_transpose(a, device: torch.device, report: Report) -> None:
         except Exception as e:
             row.update(error_row(e))
         report.row(t, row)
+    default = (kernels.CT_BLOCK_M, kernels.CT_BLOCK_N, kernels.CT_WARPS)
+    for tile in ([(64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4)] if kernels.usable(inputs[0]) else []):
+        kernels.CT_BLOCK_M, kernels.CT_BLOCK_N, kernels.CT_WARPS = tile  # other launch settings of the one pass
+        row = {"variant": "lowbit cast_transpose, tile {} x {}, {} warps".format(*tile)}
+        try:
+            row.update(_timed(lambda: op(next(turn), scale, False, False), device, a.quantize_steps, a.warmup, nbytes,
+                              floor))
+        except Exception as e:
+            row.update(error_row(e))
+        finally:
+            kernels.CT_BLOCK_M, kernels.CT_BLOCK_N, kernels.CT_WARPS = default
+        report.row(t, row)
     if floor:
         report.row(t, {"variant": "memory floor (read 2 + write 1 + 1 bytes)", "ms": floor, "vs_floor": 1.0})
 
