@@ -50,6 +50,13 @@ def test_bench_subcommand(what, tmp_path, capsys):
                          "cast, then transpose the FP8 bytes",
                          "current scaling: amax pass + cast_transpose"}
         assert "quantize" in doc["tables"]
+        for name in ("swiglu_fp8", "rmsnorm_fp8", "mlp_fused"):
+            timed = doc["tables"][name]["rows"]
+            assert len(timed) >= 3 and all("error" not in r and r["ms"] > 0 for r in timed), (name, timed)
+        fused = doc["tables"]["mlp_fused"]["rows"]
+        assert [r["variant"] for r in fused] == ["bf16", "lowbit fp8-tensorwise (eager)",
+                                                 "lowbit fp8-tensorwise, fused tail (eager)"]
+        assert all(r["speedup_vs_bf16"] > 0 for r in fused)
     else:
         assert {"bf16", "lowbit fp8-tensorwise"} <= names
     if what not in ("gemm", "kernels") and torchao_module() is None:

@@ -94,3 +94,26 @@ def test_fused_producers_on_the_cpu_are_the_unfused_path_bit_for_bit():
                        backend=lambda gm, ex: graphs.append(gm) or gm.forward)
     fn(a, b)
     assert "lowbit.swiglu_amax" in graphs[0].code and "lowbit.swiglu_cast" in graphs[0].code
+
+
+def test_swiglu_linear_is_the_unfused_mlp_tail_bit_for_bit():
+    """silu(a)·b written as FP8 and fed to w2 in one Function: y and the gradients of a, b and W are those of the
+    model's SwiGLU followed by a LowPrecisionLinear of fp8-tensorwise (on the CPU: the ops' torch formulas)."""
+    from lowbit.models.llama import SwiGLU
+    from lowbit.numerics.fused_mlp import supports, swiglu_linear
+    from lowbit.numerics.linear import LowPrecisionLinear
+
+    recipe = get_recipe("fp8-tensorwise").linear
+    assert supports(recipe) and not supports(get_recipe("fp8-delayed").linear)
+    torch.manual_seed(0)
+    w2 = LowPrecisionLinear.from_linear(torch.nn.Linear(96, 64, bias=False), recipe)
+    a0, b0 = torch.randn(2, 24, 96) * 2, torch.randn(2, 24, 96)
+    dy = torch.randn(2, 24, 64)
+    out = []
+    for fused in (False, True):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        w2.weight.grad = None
+        y = swiglu_linear(a, b, w2.weight, recipe) if fused else w2(SwiGLU()(a, b))
+        y.backward(dy)
+        out.append([y.detach(), a.grad, b.grad, w2.weight.grad])
+    assert all(torch.equal(u, f) for u, f in zip(*out))

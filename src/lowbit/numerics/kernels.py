@@ -167,6 +167,7 @@ def cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool, with_amax: 
     """x [M, N] (contiguous, on a GPU where `usable`) * scale (0-d fp32) cast to E4M3 (or E5M2): (y [M, N], yᵀ
     [N, M], amax), y and yᵀ each as `cast` writes it, amax max |x| (NaN if x holds one) when `with_amax`, else 0."""
     dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    x = x.contiguous()
     M, N = x.shape
     y = torch.empty((M, N), device=x.device, dtype=dtype)
     yt = torch.empty((N, M), device=x.device, dtype=dtype)

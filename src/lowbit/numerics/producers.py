@@ -96,6 +96,7 @@ def _amax_of(stats: torch.Tensor) -> torch.Tensor:
 
 
 def _swiglu_launch(a, b, scale, e5m2: bool, store: bool, amax: bool):
+    a, b = a.contiguous(), b.contiguous()
     y = torch.empty(a.shape, device=a.device, dtype=_fp8(e5m2)) if store else a.new_empty(0, dtype=_fp8(e5m2))
     stats = torch.zeros(2, device=a.device, dtype=torch.float32)
     n = a.numel()
@@ -149,6 +150,7 @@ def _(a, b, scale, e5m2, with_amax):
 
 
 def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool):
+    x, w = x.contiguous(), w.contiguous()
     M, N = x.shape
     y = torch.empty((M, N), device=x.device, dtype=_fp8(e5m2)) if store else x.new_empty(0, dtype=_fp8(e5m2))
     rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32) if store else y

@@ -10,7 +10,7 @@ import itertools
 import torch
 
 from lowbit.tools.bench.common import (GPU_HBM_BYTES_PER_S, Report, Table, back_to_back_ms, error_row, graph_ms,
-                                       time_ms)
+                                       release, time_ms)
 
 
 def mlp_gemm_shapes(tokens: int, dim: int, hidden: int) -> list[tuple[str, int, int, int]]:
@@ -216,6 +216,132 @@ def run_cast_transpose(a, device: torch.device, report: Report) -> None:
         report.row(t, {"variant": "memory floor (read 2 + write 1 + 1 bytes)", "ms": floor, "vs_floor": 1.0})
 
 
+def _producer_variants(name: str, a, device: torch.device) -> tuple[list, list, int, int]:
+    """(inputs, variants, bytes read once, elements written) of the SwiGLU (tokens x hidden) or the RMSNorm
+    (tokens x dim) writing E4M3: unfused (the model's formula in bf16, then lowbit's quantize), the formula and
+    its cast compiled (inductor fuses what it can), and lowbit's fused kernels by current scaling and with a given
+    scale."""
+    import torch.nn.functional as F
+
+    from lowbit.numerics.producers import rmsnorm_fp8, swiglu_fp8
+    from lowbit.numerics.qtensor import quantize
+    from lowbit.numerics.scaling import Scaling
+
+    spec, scale = Scaling("e4m3"), torch.tensor(448.0 / 40.0, device=device)
+    g = torch.Generator(device=device).manual_seed(0)
+    cols = a.hidden if name == "swiglu" else a.dim
+    rand = [torch.randn(a.tokens, cols, device=device, generator=g).to(torch.bfloat16) for _ in range(8)]
+    w = torch.rand(cols, device=device, generator=g) + 0.5
+    if name == "swiglu":
+        inputs = list(zip(rand[:4], rand[4:]))
+        formula = lambda x: F.silu(x[0]) * x[1]  # noqa: E731
+        fused = [("fused, current scaling (amax pass + cast)", lambda x: swiglu_fp8(*x, spec)),
+                 ("fused, given scale (one pass + amax)", lambda x: swiglu_fp8(*x, spec, scale))]
+    else:
+        inputs = [(x,) for x in rand[:4]]
+        formula = lambda x: w * (x[0].float() * torch.rsqrt(x[0].float().pow(2).mean(-1, keepdim=True)  # noqa: E731
+                                                            + 1e-5)).to(x[0].dtype)
+        fused = [("fused, current scaling (amax pass + cast)", lambda x: rmsnorm_fp8(x[0], w, 1e-5, spec)),
+                 ("fused, given scale (one pass + amax)", lambda x: rmsnorm_fp8(x[0], w, 1e-5, spec, scale))]
+
+    def plain(x):
+        h = formula(x)
+        amax = h.abs().amax().float()
+        return (h.float() * (448.0 / amax)).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+
+    variants = [("unfused: formula, then lowbit quantize (eager)", lambda x: quantize(formula(x), spec))]
+    if a.compile:
+        variants.append(("formula and current-scaled cast compiled (inductor)", torch.compile(plain)))
+    return inputs, variants + fused, len(inputs[0]) * 2 * a.tokens * cols, a.tokens * cols
+
+
+def run_producers(a, device: torch.device, report: Report) -> None:
+    """The fused producers against their unfused passes and the floor of one read of the inputs and one FP8
+    write (current scaling cannot reach it: its amax must be known before the cast, so it reads the inputs twice)."""
+    for name, title in (("swiglu", f"SwiGLU silu(a)·b to E4M3, {a.tokens} x {a.hidden} bf16"),
+                        ("rmsnorm", f"RMSNorm to E4M3, {a.tokens} x {a.dim} bf16")):
+        inputs, variants, read, written = _producer_variants(name, a, device)
+        floor = hbm_floor_ms(report, read + written)
+        t = report.table(Table(f"{name}_fp8", title, kernel_columns()))
+        t.notes.append("vs floor: against one read of the inputs and one FP8 write at the HBM bandwidth; GB/s counts "
+                       "those bytes. Inputs cycle through 4 sets.")
+        turn = itertools.cycle(inputs)
+        for variant, fn in variants:
+            row = {"variant": variant}
+            try:
+                row.update(_timed(lambda fn=fn: fn(next(turn)), device, a.quantize_steps, a.warmup, read + written,
+                                  floor))
+            except Exception as e:
+                row.update(error_row(e))
+            report.row(t, row)
+        if floor:
+            report.row(t, {"variant": "memory floor (inputs read once, FP8 written)", "ms": floor, "vs_floor": 1.0})
+        del inputs, variants
+        release(device)
+
+
+class FusedTailMLP(torch.nn.Module):
+    """A converted SwiGLU MLP whose product silu(w1 x)·(w3 x) goes to w2 as FP8 directly (numerics.fused_mlp)."""
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.w1, self.w3, self.w2 = mlp.w1, mlp.w3, mlp.w2
+
+    def forward(self, x):
+        from lowbit.numerics.fused_mlp import swiglu_linear
+
+        return swiglu_linear(self.w1(x), self.w3(x), self.w2.weight, self.w2.recipe)
+
+
+def run_mlp_fused(a, device: torch.device, report: Report) -> None:
+    """The SwiGLU MLP fwd+bwd (tokens x dim -> hidden -> dim, bf16): bf16, fp8-tensorwise unfused, and with the
+    fused tail (FusedTailMLP), eagerly and compiled (the fused kernels stay calls of their custom ops)."""
+    from lowbit.numerics.recipes import convert, get_recipe
+    from lowbit.tools.bench.layers import MLP
+
+    t = report.table(Table("mlp_fused", f"SwiGLU MLP {a.dim} -> {a.hidden} -> {a.dim}, {a.tokens} tokens, fwd+bwd",
+                           [("variant", "variant", ""), ("ms", "ms (median)", ".3f"), ("tflops", "TFLOP/s", ".1f"),
+                            ("speedup_vs_bf16", "vs bf16", ".3f")]))
+    torch.manual_seed(0)
+    base = MLP(a.dim, a.hidden).to(device, torch.bfloat16)
+    x = torch.randn(a.tokens, a.dim, device=device, dtype=torch.bfloat16, requires_grad=True)
+    dy = torch.randn(a.tokens, a.dim, device=device, dtype=torch.bfloat16)
+    fp8 = MLP(a.dim, a.hidden).to(device, torch.bfloat16)
+    fp8.load_state_dict(base.state_dict())
+    convert(fp8, get_recipe("fp8-tensorwise"))
+    modes = [False, True] if a.compile else [False]
+    variants = [(f"bf16{' (compiled)' if c else ''}", base, c) for c in modes]
+    variants += [(f"lowbit fp8-tensorwise{' (compiled)' if c else ' (eager)'}", fp8, c) for c in modes]
+    variants += [(f"lowbit fp8-tensorwise, fused tail{' (compiled)' if c else ' (eager)'}", FusedTailMLP(fp8), c)
+                 for c in modes]
+    for name, m, compiled in variants:
+        fn = torch.compile(m) if compiled else m
+        row = {"variant": name}
+
+        def step(fn=fn, m=m):
+            x.grad = None
+            m.zero_grad(set_to_none=True)
+            fn(x).backward(dy)
+
+        try:
+            row.update(time_ms(step, device, a.steps, a.warmup))
+            row["tflops"] = 3 * 6 * a.tokens * a.dim * a.hidden / row["ms"] / 1e9
+        except Exception as e:
+            row.update(error_row(e))
+        report.row(t, row)
+        release(device)
+    for r in t.rows:  # against bf16 in the same mode
+        ref = next((b for b in t.rows if b["variant"].startswith("bf16") and ("compiled" in b["variant"]) ==
+                    ("compiled" in r["variant"]) and "ms" in b), None)
+        if ref and "ms" in r:
+            r["speedup_vs_bf16"] = ref["ms"] / r["ms"]
+    t.notes.append("vs bf16: against bf16 in the same mode (eager or compiled). The fused tail: silu(w1 x)·(w3 x) "
+                   "written as FP8 for w2 (numerics.fused_mlp; current scaling: an amax pass, then the cast), W2 and "
+                   "dy cast with their transposes in one pass; w1 and w3 as fp8-tensorwise.")
+
+
 def run_kernels(a, device: torch.device, report: Report) -> None:
     run_quantize(a, device, report)
     run_cast_transpose(a, device, report)
+    run_producers(a, device, report)
+    run_mlp_fused(a, device, report)
