@@ -22,7 +22,8 @@ SHAPES = {
     "memory": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "optim": ["--preset", "tiny", "--seq", "16", "--vocab", "256", "--recipes", "fp8-tensorwise,fp8lm-o2"],
 }
-TABLE = {"kernels": "cast_transpose", "gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
+TABLE = {"kernels": "cast_transpose",
+         "gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
          "optim": "optim"}
 
 

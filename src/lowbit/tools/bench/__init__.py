@@ -109,7 +109,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                 "tokens/s there (a `capacity` table)")
             s.add_argument("--profile", action="store_true",
                            help="also time forward, backward and optimizer apart and, on a GPU, sum one step's "
-                                "kernel time by kind (GEMM, attention, quantization, fused, other) with the GPU's idle time")
+                                "kernel time by kind (GEMM, attention, quantization, fused, other) with the GPU's idle "
+                                "time")
         if what == "mlp":
             s.add_argument("--no-quantize", action="store_true", help="skip the quantization timing")
 
@@ -129,7 +130,7 @@ def _resolve(a: argparse.Namespace, device) -> None:
     from lowbit.tools.bench.layers import preset_args
 
     gpu = device.type == "cuda"
-    if a.what in ("mlp", "kernels"):  # quantization kernels take microseconds: more iterations for a stable median, unless asked
+    if a.what in ("mlp", "kernels"):  # quantization kernels take microseconds: more iterations for a stable median
         a.quantize_steps = a.steps if a.steps is not None else 50 if gpu else DEFAULTS["steps"][1]
     for key, (on_gpu, on_cpu) in DEFAULTS.items():
         if hasattr(a, key) and getattr(a, key) is None:

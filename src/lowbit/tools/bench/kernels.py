@@ -9,7 +9,7 @@ import itertools
 
 import torch
 
-from lowbit.tools.bench.common import (GPU_HBM_BYTES_PER_S, Report, Table, back_to_back_ms, error_row, graph_ms,
+from lowbit.tools.bench.common import (GPU_HBM_BYTES_PER_S, MLP, Report, Table, back_to_back_ms, error_row, graph_ms,
                                        release, time_ms)
 
 
@@ -297,7 +297,6 @@ def run_mlp_fused(a, device: torch.device, report: Report) -> None:
     """The SwiGLU MLP fwd+bwd (tokens x dim -> hidden -> dim, bf16): bf16, fp8-tensorwise unfused, and with the
     fused tail (FusedTailMLP), eagerly and compiled (the fused kernels stay calls of their custom ops)."""
     from lowbit.numerics.recipes import convert, get_recipe
-    from lowbit.tools.bench.layers import MLP
 
     t = report.table(Table("mlp_fused", f"SwiGLU MLP {a.dim} -> {a.hidden} -> {a.dim}, {a.tokens} tokens, fwd+bwd",
                            [("variant", "variant", ""), ("ms", "ms (median)", ".3f"), ("tflops", "TFLOP/s", ".1f"),

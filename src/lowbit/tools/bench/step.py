@@ -90,7 +90,9 @@ def _notes(t: Table, prof: Table | None, peak: float | None) -> None:
     if prof:
         prof.notes.append("Phases: CUDA events between forward (with the loss), backward (with the gradient hooks) "
                           "and clipping + optimizer step + zero_grad, medians over --steps. Kernels: one profiled "
-                          "step, kernel time by kind (lowbit.tools.bench.profile.kind: GEMM, attention, quantization alone, quantization fused into a producer that bf16 runs too, other fused, other); GPU idle: the timed step less "
+                          "step, kernel time by kind (lowbit.tools.bench.profile.kind: GEMM, attention, "
+                          "quantization alone, quantization fused into work bf16 does too, other fused, other); "
+                          "GPU idle: the timed step less "
                           "the profiled step's kernel-busy time (the GPU waited for the host); the JSON lists the "
                           "top kernels.")
     if peak:
