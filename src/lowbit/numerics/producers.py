@@ -41,10 +41,10 @@ if triton is not None:
         tl.atomic_max(stats_ptr + 1, tl.max(tl.where(h != h, 1.0, 0.0), axis=0))
 
     @triton.jit
-    def _to_fp8(h, scale, FMT_MAX: tl.constexpr, dtype):
+    def _to_fp8(h, scale, FMT_MAX: tl.constexpr, DTYPE: tl.constexpr):
         y = h * scale
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
-        return y.to(dtype, fp_downcast_rounding="rtne")
+        return y.to(DTYPE, fp_downcast_rounding="rtne")
 
     @triton.jit
     def _swiglu_fp8_kernel(a_ptr, b_ptr, y_ptr, scale_ptr, stats_ptr, n, FMT_MAX: tl.constexpr,
@@ -85,6 +85,8 @@ if triton is not None:
                      mask=mask)
 
 SWIGLU_BLOCK, SWIGLU_WARPS = 2048, 8
+# Launched with enable_fp_fusion=False: torch rounds `mean(x²)` before adding eps (and each product before a sum),
+# where a fused multiply-add would round once
 
 
 def _fp8(e5m2: bool) -> torch.dtype:
@@ -104,7 +106,7 @@ def _swiglu_launch(a, b, scale, e5m2: bool, store: bool, amax: bool):
     with torch.cuda.device(a.device):
         _swiglu_fp8_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](a, b, y, s, stats, n, FMT_MAX=kernels.FP8_MAX[y.dtype],
                                                            STORE=store, AMAX=amax, BLOCK=SWIGLU_BLOCK,
-                                                           num_warps=SWIGLU_WARPS)
+                                                           num_warps=SWIGLU_WARPS, enable_fp_fusion=False)
     return y, _amax_of(stats)
 
 
@@ -160,7 +162,8 @@ def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool):
         _rmsnorm_fp8_kernel[(M,)](x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, N,
                                   eps, FMT_MAX=kernels.FP8_MAX[y.dtype],
                                   OUT_W_DTYPE=w.dtype != torch.float32 and w.dtype == x.dtype, STORE=store,
-                                  AMAX=True, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+                                  AMAX=True, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                                  enable_fp_fusion=False)
     return y, rstd, _amax_of(stats)
 
 
