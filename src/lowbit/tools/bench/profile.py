@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from lowbit.tools.bench.common import Table
+
 # Kernel kinds. GEMMs (cuBLAS/cuBLASLt: nvjet, sm90_xmma, cutlass, gemm; inductor's GEMM templates: triton_tem)
 # and attention (FlashAttention's and cuDNN's names carry cutlass types and "flash": attention is matched first) by
 # name. Inductor's fused kernels (triton_poi/red/per_fused_<ops>_N) are told apart by the aten ops their name lists:
@@ -155,26 +157,37 @@ def elementwise_ms(row: dict) -> float | None:
     return None if any(p is None for p in parts) else sum(parts)
 
 
-def side_by_side(rows: list[dict], base: str = "bf16") -> str:
-    """The profile's kernel time by kind as a Markdown table with a column per variant (`rows`: the JSON's profile
-    rows), each cell after the first variant's also giving its difference to `base`'s row."""
+def kinds_table(rows: list[dict], title: str = "kernel time by kind, ms per step", base: str = "bf16") -> Table:
+    """The profile's kernel time by kind with a column per variant (`rows`: the profile table's rows; errors
+    left out), each cell after `base`'s also giving its difference to `base`'s. `bench step --profile` adds it to
+    its report as the table `profile_kinds`, so benchmarks/report.py renders it as any other."""
     rows = [r for r in rows if "error" not in r]
     ref = next((r for r in rows if r.get("variant") == base), None)
-    lines = ["| ms per step | " + " | ".join(str(r["variant"]) for r in rows) + " |", "|---|" + "---|" * len(rows)]
+    names = [str(r["variant"]) for r in rows]
+    t = Table("profile_kinds", title, [("kind", "ms per step", "")] + [(n, n, "") for n in names])
     # the elementwise kernels together: against bf16's, what quantization costs wherever inductor put it
     keys = [(f"{k}_ms", LABELS[k]) for k in (*KIND_NAMES, "idle")] + [("elementwise", "quantization + fused, all"),
                                                                       ("step_ms", "step (timed)")]
     for key, label in keys:
-        cells = []
-        for r in rows:
+        out = {"kind": label}
+        for n, r in zip(names, rows):
             v = elementwise_ms(r) if key == "elementwise" else r.get(key)
             cell = "" if v is None else f"{v:.1f}"
             base_v = None if ref is None else elementwise_ms(ref) if key == "elementwise" else ref.get(key)
             if v is not None and r is not ref and base_v is not None:
                 cell += f" ({v - base_v:+.1f})"
-            cells.append(cell)
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+            out[n] = cell
+        t.rows.append(out)
+    t.notes.append("Quantization: kernels doing only amax, cast, scale or FP8 transposes; fused with quantization: "
+                   "those fused into a norm, SwiGLU, RoPE or a gradient sum that bf16 runs too (bf16 counts those "
+                   "as other fused), so the row 'quantization + fused, all' against bf16's is what quantization "
+                   f"costs. In parentheses: the difference to {base}.")
+    return t
+
+
+def side_by_side(rows: list[dict], base: str = "bf16") -> str:
+    """kinds_table as Markdown."""
+    return kinds_table(rows, base=base).markdown()
 
 
 if __name__ == "__main__":  # python -m lowbit.tools.bench.profile X.json: the side-by-side table of a report

@@ -99,6 +99,12 @@ def _notes(t: Table, prof: Table | None, peak: float | None) -> None:
         t.notes.append(f"MFU against {peak / 1e12:.0f} TFLOP/s dense BF16; FLOPs/token from Llama.flops_per_token.")
 
 
+def _kinds(a, prof: Table | None, report: Report) -> None:
+    """On a GPU, the profile's kernel time by kind with a column per variant (the table `profile_kinds`)."""
+    if prof and any("gemm_ms" in r for r in prof.rows):
+        report.table(profile.kinds_table(prof.rows, f"kernel time by kind (`{a.preset}`, {a.batch} x {a.seq}), ms"))
+
+
 def run_step(a, device: torch.device, report: Report) -> None:
     from lowbit.train.metrics import gpu_peak_flops
 
@@ -106,8 +112,7 @@ def run_step(a, device: torch.device, report: Report) -> None:
     t, prof = _tables(a, device, report)
     x, y = batch(a.batch, a.seq, a.vocab, device)
     for v in variants(a.recipe_list, a.torchao_list):
-        row = {"variant": v.name}
-        prow = {"variant": v.name}
+        row, prow = {"variant": v.name}, {"variant": v.name}
         profiling = False  # an error from here on is the profile's, not the step's
         model = opt = None
         try:
@@ -178,4 +183,5 @@ def run_step(a, device: torch.device, report: Report) -> None:
             report.row(prof, prow)
     _relative(t)
     _notes(t, prof, peak)
+    _kinds(a, prof, report)
     report.save(complete=False)
