@@ -16,12 +16,14 @@ SHAPES = {
     "gemm": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
     "linear": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
     "mlp": ["--tokens", "32", "--dim", "32", "--hidden", "64"],
+    "kernels": ["--tokens", "32", "--dim", "48", "--hidden", "64"],
     "block": ["--preset", "tiny", "--batch", "2", "--seq", "16"],
     "step": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "memory": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "optim": ["--preset", "tiny", "--seq", "16", "--vocab", "256", "--recipes", "fp8-tensorwise,fp8lm-o2"],
 }
-TABLE = {"gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
+TABLE = {"kernels": "cast_transpose",
+         "gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
          "optim": "optim"}
 
 
@@ -44,9 +46,21 @@ def test_bench_subcommand(what, tmp_path, capsys):
     if what == "gemm":
         assert {"bf16", "fp8 tensorwise"} <= names
         assert len(rows) == 4 * len(mlp_gemm_shapes(32, 32, 64))
+    elif what == "kernels":  # on the CPU: the op's torch formula; no floor without a known GPU
+        assert names == {"lowbit cast_transpose (one pass)", "lowbit cast_transpose + amax",
+                         "cast, then transpose the FP8 bytes",
+                         "current scaling: amax pass + cast_transpose"}
+        assert "quantize" in doc["tables"]
+        for name in ("swiglu_fp8", "rmsnorm_fp8", "mlp_fused"):
+            timed = doc["tables"][name]["rows"]
+            assert len(timed) >= 3 and all("error" not in r and r["ms"] > 0 for r in timed), (name, timed)
+        fused = doc["tables"]["mlp_fused"]["rows"]
+        assert [r["variant"] for r in fused] == ["bf16", "lowbit fp8-tensorwise (eager)",
+                                                 "lowbit fp8-tensorwise, fused tail (eager)"]
+        assert all(r["speedup_vs_bf16"] > 0 for r in fused)
     else:
         assert {"bf16", "lowbit fp8-tensorwise"} <= names
-    if what != "gemm" and torchao_module() is None:
+    if what not in ("gemm", "kernels") and torchao_module() is None:
         assert "torchao is not installed" in stdout
     if what in ("gemm", "linear", "mlp", "block", "step", "optim"):
         assert all(r["ms"] > 0 and len(r["ms_each"]) == 1 for r in rows if r["variant"] != "memory floor (one pass)")
@@ -207,11 +221,44 @@ def test_profile_kernel_kinds_and_idle_union():
     assert kind("void pytorch_flash::flash_fwd_kernel<Flash_fwd_kernel_traits<128, 128, 64, 4, false, false, "
                 "cutlass::bfloat16_t, Flash_kernel_traits<128, 128, 64, 4, cutlass::bfloat16_t>>>") == "attention"
     assert kind("fmha_cutlassF_bf16_aligned_64x128_rf_sm80") == "attention"
-    assert kind("triton_poi_fused__scaled_mm_abs_amax_clamp_0") == "fused"
-    assert kind("triton_poi_fused__to_copy_abs_amax_0") == "fused"
+    assert kind("cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_26_64x64x64_1x4x1") == "attention"
+    # inductor's kernels by the ops they list: quantization alone, fused into bf16's work, or bf16's work only
+    assert kind("triton_red_fused_abs_amax_19") == "quant"
+    assert kind("triton_poi_fused__scaled_mm__to_copy_clamp_expand_mul_t_21") == "quant"
+    assert kind("triton_per_fused__to_copy_abs_max_mul_view_27") == "quant"  # torchao's amax: abs + max
+    assert kind("triton_red_fused_abs_amax_mul_silu_silu_backward_view_4") == "fused_quant"
+    assert kind("triton_red_fused_abs_add_amax_mean_mul_pow_rsqrt_view_0") == "fused_quant"
+    assert kind("triton_poi_fused__unsafe_view_mul_silu_8") == "fused"
+    assert kind("triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_6") == "fused"
+    # lowbit's own Triton kernels, eager aten kernels touching FP8, the rest
+    assert kind("_cast_transpose_kernel") == kind("_amax_kernel") == kind("_cast_kernel") == "quant"
+    assert kind("_rmsnorm_fp8_kernel") == kind("_swiglu_fp8_kernel") == "fused_quant"
+    assert kind("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::"
+                "TensorIteratorBase&)::{lambda(c10::Float8_e4m3fn)#1}>") == "quant"
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "aten"
+    assert kind("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<FusedOptimizerTensorListMetadata"
+                ">") == "aten"
     assert covered([(0, 4), (2, 6), (10, 11), (10.5, 10.7)]) == 7  # overlaps counted once, the gap not at all
     assert idle(10.0, 7.5) == 2.5 and idle(10.0, 12.0) == 0.0  # the profiled step may outlast the timed one
+
+
+def test_profile_side_by_side_puts_variants_in_columns_with_their_difference_to_bf16():
+    from lowbit.tools.bench.profile import KIND_NAMES, side_by_side
+
+    kinds = {f"{k}_ms": 1.0 for k in KIND_NAMES}
+    rows = [{"variant": "bf16", **kinds, "quant_ms": 0.0, "fused_quant_ms": 0.0, "fused_ms": 30.0, "gemm_ms": 100.0,
+             "idle_ms": 5.0, "step_ms": 140.0},
+            {"variant": "lowbit fp8-tensorwise", **kinds, "quant_ms": 4.0, "fused_quant_ms": 35.0, "fused_ms": 14.0,
+             "gemm_ms": 60.0, "idle_ms": 4.0, "step_ms": 120.0},
+            {"variant": "broken", "error": "out of memory"}]
+    lines = side_by_side(rows).split("\n")
+    assert lines[0] == "| kernel time by kind, ms per step | bf16 | lowbit fp8-tensorwise |"  # no column for an error
+    lines = lines[:lines.index("")]  # the notes follow
+    table = {line.split(" | ")[0].strip("| "): line.split(" | ")[1:] for line in lines[2:]}
+    assert table["GEMM"] == ["100.0", "60.0 (-40.0) |"]
+    assert table["quantization"] == ["0.0", "4.0 (+4.0) |"]
+    assert table["quantization + fused, all"] == ["30.0", "53.0 (+23.0) |"]  # 4 + 35 + 14 against 0 + 0 + 30
+    assert table["GPU idle"] == ["5.0", "4.0 (-1.0) |"] and table["step (timed)"] == ["140.0", "120.0 (-20.0) |"]
 
 
 def test_bench_step_variant_trains_with_its_setting(tmp_path, capsys, monkeypatch):

@@ -219,7 +219,12 @@ def test_step_profile_sorts_real_kernel_names():
     got = kernel_ms(step, torch.device("cuda"))
     assert got["gemm_ms"] > 0 and got["attention_ms"] > 0 and got["kernels"] > 0, got
     assert not any(k["kernel"].startswith("Optimizer.") for k in got["top"]), got["top"]
-    total = sum(got[f"{k}_ms"] for k in ("attention", "fused", "gemm", "aten"))
+    from lowbit.tools.bench.profile import KIND_NAMES
+
+    assert got["quant_ms"] + got["fused_quant_ms"] > 0, got  # eager: lowbit's amax/cast kernels
+    names = {k["kernel"]: k["kind"] for k in got["top"]}
+    assert names.get("_cast_transpose_kernel") == "quant", names  # the linears' casts, by the Triton kernel's name
+    total = sum(got[f"{k}_ms"] for k in KIND_NAMES)
     assert 0 < got["busy_ms"] <= total * 1.001
 
 
@@ -546,3 +551,180 @@ def test_dropout_on_gpu_recomputes_its_masks_and_leaves_eval_alone(backend, poli
             assert torch.equal(model.eval()(x), plain.eval()(x))
         model.train()
         torch._dynamo.reset()
+
+
+def _same_bytes(a, b):
+    """The same FP8 bytes, NaNs aside (their bit patterns may differ)."""
+    a, b = a.cpu(), b.cpu()
+    nan = b.float().isnan()
+    return torch.equal(a.float().isnan(), nan) and torch.equal(a.view(torch.uint8)[~nan], b.view(torch.uint8)[~nan])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["plain", "inf", "nan", "saturating", "odd size"])
+def test_triton_cast_transpose_is_the_torch_formula_bit_for_bit(case, fmt, dtype):
+    """lowbit::cast_transpose on the GPU: y and yᵀ the bytes of the torch cast formula (its CPU kernel), the amax
+    group_amax's; and (bf16, plain) torch.compile keeps the op as one call."""
+    import math
+
+    from lowbit.numerics import kernels
+    from lowbit.numerics.scaling import Scaling, group_amax
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    x = torch.randn(1000, 4097 if case == "odd size" else 4096) * 3
+    x[5, 7] = math.inf if case == "inf" else x[5, 7]
+    x[9, 1] = math.nan if case == "nan" else x[9, 1]
+    x = (x * 1e3 if case == "saturating" else x).to(dtype)
+    scale = torch.tensor(448.0 / 9.0 if fmt == "e4m3" else 57344.0 / 9.0)
+    e5m2 = fmt == "e5m2"
+    y, yt, amax = torch.ops.lowbit.cast_transpose(x, scale, e5m2, True)  # the CPU kernel: the torch formulas
+    assert torch.equal(yt.float().nan_to_num(7), y.t().float().nan_to_num(7))
+    xg = x.cuda()
+    assert kernels.usable(xg)
+    for with_amax in (True, False):
+        yg, ytg, amax_g = torch.ops.lowbit.cast_transpose(xg, scale.cuda(), e5m2, with_amax)
+        assert _same_bytes(yg, y) and _same_bytes(ytg, yt) and ytg.is_contiguous()
+        want = group_amax(x, Scaling(fmt)) if with_amax else torch.zeros(())
+        torch.testing.assert_close(amax_g.cpu(), want, rtol=0, atol=0, equal_nan=True)
+    if case == "plain" and dtype == torch.bfloat16:  # compiled once per format (compiles take seconds)
+        compiled = torch.compile(lambda t, s: torch.ops.lowbit.cast_transpose(t, s * 1.0, e5m2, False),
+                                 fullgraph=True)
+        yc, ytc, _ = compiled(xg, scale.cuda())
+        assert _same_bytes(yc, y) and _same_bytes(ytc, yt)
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+def test_fused_cast_transpose_linear_matches_the_unfused_path_bit_for_bit(recipe, monkeypatch):
+    """Eager on a GPU a tensorwise FP8 linear casts x, W and dy with their transposes in one pass each and keeps
+    the transposed copies: y, dx and dW are the bits of the path that transposes the FP8 bytes in backward."""
+    import lowbit.numerics.linear as linear_mod
+    import lowbit.numerics.qtensor as qtensor_mod
+    from lowbit.numerics import kernels
+    from lowbit.numerics.recipes import convert, get_recipe
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    calls = []
+    real_op = torch.ops.lowbit.cast_transpose
+
+    def run(fused):
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Linear(512, 768, bias=False), torch.nn.Linear(768, 256, bias=False))
+        convert(m, get_recipe(recipe))
+        m.cuda()
+        x = torch.randn(4, 300, 512, device="cuda", requires_grad=True)
+        monkeypatch.setattr(linear_mod, "transpose_fused", qtensor_mod.transpose_fused if fused else
+                            (lambda t, s: False))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = m(x)
+        y.float().pow(2).mean().backward()
+        return y.detach(), x.grad, [p.grad for p in m.parameters()]
+
+    monkeypatch.setattr(torch.ops.lowbit, "cast_transpose", lambda *a: calls.append(a[0].shape) or real_op(*a),
+                        raising=False)
+    y0, dx0, dw0 = run(False)
+    assert not calls
+    y1, dx1, dw1 = run(True)
+    assert len(calls) == 6, calls  # x, W and dy of each of the two layers
+    assert torch.equal(y0, y1) and torch.equal(dx0, dx1) and all(torch.equal(a, b) for a, b in zip(dw0, dw1))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("case", ["plain", "nan", "odd size"])
+def test_triton_swiglu_fp8_is_the_unfused_path_bit_for_bit(case, fmt):
+    """The fused SwiGLU (silu(a)·b written as FP8) against the model's formula on the GPU and lowbit's quantize:
+    the bytes, the scale and the amax, by current scaling (two passes) and with a given scale (one)."""
+    import math
+
+    import torch.nn.functional as F
+
+    from lowbit.numerics import kernels
+    from lowbit.numerics.producers import swiglu_fp8
+    from lowbit.numerics.qtensor import cast, quantize
+    from lowbit.numerics.scaling import Scaling
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    cols = 1377 if case == "odd size" else 11008
+    a, b = (torch.randn(512, cols, device="cuda").mul(4).to(torch.bfloat16) for _ in range(2))
+    if case == "nan":
+        a[3, 5] = math.nan
+    s = Scaling(fmt)
+    with torch.autocast("cuda", enabled=False):
+        h = F.silu(a) * b
+    want = quantize(h, s)
+    q, amax = swiglu_fp8(a, b, s)
+    assert _same_bytes(q.data, want.data) and torch.equal(q.scale_inv, want.scale_inv)
+    torch.testing.assert_close(amax, h.abs().amax().float(), rtol=0, atol=0, equal_nan=True)
+    scale = torch.tensor(7.0, device="cuda")
+    q, amax = swiglu_fp8(a, b, s, scale)
+    assert _same_bytes(q.data, cast(h, scale, s))
+    torch.testing.assert_close(amax, h.abs().amax().float(), rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_triton_rmsnorm_fp8_is_the_unfused_path_bit_for_bit_given_its_rstd(fmt, wdtype):
+    """The fused RMSNorm written as FP8: its rstd within a few ulps of torch's (a sum in another order), and the
+    bytes those of the model's formula and lowbit's cast given that rstd; rows whose rstd is torch's are the
+    unfused path's bytes outright."""
+    from lowbit.numerics import kernels
+    from lowbit.numerics.producers import rmsnorm_fp8
+    from lowbit.numerics.qtensor import cast
+    from lowbit.numerics.scaling import Scaling, scale_from_amax
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    torch.manual_seed(0)
+    s = Scaling(fmt)
+    x = torch.randn(2048, 4096, device="cuda").mul(3).to(torch.bfloat16)
+    w = (torch.rand(4096, device="cuda") + 0.5).to(wdtype)
+    q, rstd, amax = rmsnorm_fp8(x, w, 1e-5, s)
+    ref_rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    torch.testing.assert_close(rstd, ref_rstd, rtol=1e-6, atol=0)
+    h = w * (x.float() * rstd).to(x.dtype)  # the model's formula with the kernel's rstd
+    assert torch.equal(amax, h.abs().amax().float())
+    scale = scale_from_amax(amax, s)[0]
+    assert torch.equal(q.scale_inv, scale.reciprocal()) and _same_bytes(q.data, cast(h, scale, s))
+    same_rows = (rstd == ref_rstd).squeeze(1)
+    h_torch = w * (x.float() * ref_rstd).to(x.dtype)
+    assert _same_bytes(q.data[same_rows], cast(h_torch, scale, s)[same_rows])
+
+
+def test_fused_swiglu_linear_is_the_unfused_mlp_tail_bit_for_bit_on_gpu():
+    """numerics.fused_mlp on the GPU (the fused SwiGLU kernels, cast_transpose, _scaled_mm) against the model's
+    SwiGLU and an eager fp8-tensorwise LowPrecisionLinear: y and the gradients of a, b and W bit for bit; compiled
+    (the kernels kept as custom-op calls) it runs and stays close."""
+    from lowbit.models.llama import SwiGLU
+    from lowbit.numerics import kernels
+    from lowbit.numerics.fused_mlp import swiglu_linear
+    from lowbit.numerics.linear import LowPrecisionLinear
+    from lowbit.numerics.recipes import get_recipe
+
+    if kernels.triton is None:
+        pytest.skip("no Triton")
+    recipe = get_recipe("fp8-tensorwise").linear
+    torch.manual_seed(0)
+    w2 = LowPrecisionLinear.from_linear(torch.nn.Linear(1408, 512, bias=False), recipe).cuda().to(torch.bfloat16)
+    a0, b0 = (torch.randn(4, 512, 1408, device="cuda").mul(2).to(torch.bfloat16) for _ in range(2))
+    dy = torch.randn(4, 512, 512, device="cuda").to(torch.bfloat16)
+    out = []
+    for how in ("unfused", "fused", "compiled"):
+        a, b = a0.clone().requires_grad_(), b0.clone().requires_grad_()
+        w2.weight.grad = None
+        if how == "unfused":
+            y = w2(SwiGLU()(a, b))
+        else:
+            fn = torch.compile(swiglu_linear) if how == "compiled" else swiglu_linear
+            y = fn(a, b, w2.weight, recipe)
+        y.backward(dy)
+        out.append([y.detach(), a.grad, b.grad, w2.weight.grad])
+    torch._dynamo.reset()
+    assert all(torch.equal(u, f) for u, f in zip(out[0], out[1]))
+    for u, c in zip(out[0], out[2]):
+        assert (u.float() - c.float()).norm() <= 0.02 * u.float().norm()

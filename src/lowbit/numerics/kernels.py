@@ -1,5 +1,8 @@
 """Triton kernels for the eager GPU path of one-scale-per-tensor FP8 casts: amax in one read, the cast in one
-read and one write, and `quantize` (amax, scale, cast) in three launches.
+read and one write, `quantize` (amax, scale, cast) in three launches, and `cast_transpose`: the cast written row-major
+and transposed in one read (the copies a linear's fprop and its backward's GEMMs take), optionally with the amax of
+what it read (for a delayed scale's history), registered as the custom op `lowbit::cast_transpose` so that a graph
+torch.compile traces keeps it as one call.
 
 torch's eager ops take several passes for what these do in one: `x.abs().amax()` writes |x| out before reducing
 it, and `(x.float() * scale).clamp(...).to(fp8)` writes fp32 twice. Under torch.compile inductor fuses the same
@@ -89,6 +92,25 @@ if triton is not None:
         y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
+    @triton.jit
+    def _cast_transpose_kernel(x_ptr, y_ptr, yt_ptr, scale_ptr, stats_ptr, M, N, FMT_MAX: tl.constexpr,
+                               AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # One [BM, BN] tile of x [M, N]: y = fp8(clamp(x * scale)) as _cast_kernel, stored at [m, n] of y and at
+        # [n, m] of yt (the compiler stages the transposed store through shared memory so both stores coalesce).
+        # AMAX: the tile's max |x| and NaN flag into stats by atomic max, as _amax_kernel.
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+        if AMAX:
+            tl.atomic_max(stats_ptr, tl.max(tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1), axis=0))
+            tl.atomic_max(stats_ptr + 1, tl.max(tl.max(tl.where(x != x, 1.0, 0.0), axis=1), axis=0))
+        y = x * tl.load(scale_ptr)
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
+        y = y.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
+        tl.store(yt_ptr + rn[None, :] * M + rm[:, None], y, mask=mask)
+
 
 def _stats(x: torch.Tensor) -> torch.Tensor:
     stats = torch.zeros(2, device=x.device, dtype=torch.float32)
@@ -129,3 +151,47 @@ def quantize(x: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> tuple[torch
                                                     FROM_STATS=True, BLOCK=CAST_BLOCK, REVERSE=REVERSE,
                                                     num_warps=CAST_WARPS)
     return y, scale_inv
+
+
+# Tile of cast_transpose: 128 x 128 elements, 8 warps (a bf16 read of 32 KiB, two FP8 writes of 16 KiB, each row of
+# the transposed write 128 contiguous bytes; few enough programs that the amax's two atomics per program do not
+# queue). Module globals: `lowbit bench kernels` times other tiles on a GPU.
+CT_BLOCK_M, CT_BLOCK_N, CT_WARPS = 128, 128, 8
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+
+
+@torch.library.custom_op("lowbit::cast_transpose", mutates_args=(), device_types="cuda")
+def cast_transpose(x: torch.Tensor, scale: torch.Tensor, e5m2: bool, with_amax: bool) -> tuple[torch.Tensor,
+                                                                                                torch.Tensor,
+                                                                                                torch.Tensor]:
+    """x [M, N] (contiguous, on a GPU where `usable`) * scale (0-d fp32) cast to E4M3 (or E5M2): (y [M, N], yᵀ
+    [N, M], amax), y and yᵀ each as `cast` writes it, amax max |x| (NaN if x holds one) when `with_amax`, else 0."""
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    x = x.contiguous()
+    M, N = x.shape
+    y = torch.empty((M, N), device=x.device, dtype=dtype)
+    yt = torch.empty((N, M), device=x.device, dtype=dtype)
+    stats = torch.zeros(2, device=x.device, dtype=torch.float32)
+    grid = (triton.cdiv(M, CT_BLOCK_M), triton.cdiv(N, CT_BLOCK_N))
+    with torch.cuda.device(x.device):
+        _cast_transpose_kernel[grid](x, y, yt, scale.float().reshape(1), stats, M, N, FMT_MAX=FP8_MAX[dtype],
+                                     AMAX=with_amax, BM=CT_BLOCK_M, BN=CT_BLOCK_N, num_warps=CT_WARPS,
+                                     enable_fp_fusion=False)
+    return y, yt, torch.where(stats[1] > 0, torch.nan, stats[0])
+
+
+@cast_transpose.register_kernel("cpu")
+def _(x, scale, e5m2, with_amax):
+    # the torch formulas of qtensor.cast and scaling.group_amax: a reference to test the op's callers against
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    y = (x.float() * scale.float()).clamp(-FP8_MAX[dtype], FP8_MAX[dtype]).to(dtype)
+    amax = x.abs().amax().float() if with_amax else torch.zeros((), dtype=torch.float32)
+    return y, y.t().contiguous(), amax
+
+
+@cast_transpose.register_fake
+def _(x, scale, e5m2, with_amax):
+    dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+    M, N = x.shape
+    return (x.new_empty((M, N), dtype=dtype), x.new_empty((N, M), dtype=dtype),
+            x.new_empty((), dtype=torch.float32))

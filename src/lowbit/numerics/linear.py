@@ -10,6 +10,9 @@ compiled, a tensorwise input is saved as it came and cast again in backward, whi
 instead of keeping it (`_keeps_input`). Where the backward needs an operand scaled along another dimension: the
 weight is re-quantized from the parameter (kept anyway); the input, whose high-precision copy is gone, is
 re-quantized from its dequantized value (tensor granularity needs neither: the transpose keeps the scale).
+Eagerly on a GPU with one FP8 scale per tensor, the input, the weight and the output gradient are each cast and
+transposed in one pass (`qtensor.cast_transpose`), and backward keeps the transposed input and weight (the bytes
+its GEMMs read) instead of transposing them there.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from torch import nn
 
 from lowbit.numerics.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
 from lowbit.numerics.gemm import scaled_matmul
-from lowbit.numerics.qtensor import QTensor, cast, quantize
+from lowbit.numerics.qtensor import QTensor, cast, cast_transpose, quantize, transpose_fused
 from lowbit.numerics.scaling import Scaling, all_max, expand_groups, group_amax, scale_from_amax
 from lowbit.numerics.scaling_state import OperandStates, ScalingState, report
 
@@ -93,10 +96,18 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
+        ctx.hp = _keeps_input(r, occ_idx is not None)
+        # Eager on a GPU, one FP8 scale per tensor: the input and the weight cast and transposed in one pass each,
+        # and backward keeps the transposed copies its GEMMs take (as many bytes as the row-major ones)
+        ctx.xt = not ctx.hp and not r.wgrad_hp and transpose_fused(x2, r.input)
+        ctx.wt = not hasattr(weight, "quantized") and transpose_fused(weight, r.weight)
         with torch.autocast(x.device.type, enabled=False):
-            qx = quantize(x2, r.input, scale=scale_x)
+            qx, qxt = cast_transpose(x2, r.input, scale_x) if ctx.xt else (quantize(x2, r.input, scale=scale_x), None)
             # a weight all-gathered in FP8 (FSDP2) arrives quantized with the whole tensor's scale
-            qw = weight.quantized() if hasattr(weight, "quantized") else quantize(weight, r.weight, scale=scale_w)
+            if ctx.wt:
+                qw, qwt = cast_transpose(weight, r.weight, scale_w)
+            else:
+                qw = weight.quantized() if hasattr(weight, "quantized") else quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
             if occ_idx is not None and r.occ.products == "dense":  # OCC compensation, ΔY·Wᵀ in out_dtype
                 delta = (x.reshape(x2.shape).float() - x2.float()).to(out_dtype)
@@ -107,11 +118,10 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
         # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element.
-        ctx.hp = _keeps_input(r, occ_idx is not None)
-        ctx.save_for_backward(x2 if ctx.hp else qx.data, scale_x if ctx.hp else qx.scale_inv, weight, go_scale,
-                              go_warm, qw.scale_inv, occ_idx, occ_val, reports)
+        ctx.save_for_backward(x2 if ctx.hp else qxt.data if ctx.xt else qx.data, scale_x if ctx.hp else qx.scale_inv,
+                              weight, go_scale, go_warm, qw.scale_inv, occ_idx, occ_val, reports)
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
-        ctx.qw = qw if r.weight.granularity == "tensor" else None
+        ctx.qw = qwt if ctx.wt else qw if r.weight.granularity == "tensor" else None
         ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, sink is not None, telemetry_layer, go_group
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
@@ -121,7 +131,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         kept, kept_scale, weight, go_scale, go_warm, w_scale_inv, occ_idx, occ_val, reports = ctx.saved_tensors
         r = ctx.recipe
         g = r.grad_output
-        # the forward's FP8 input, made again from the kept input where that was kept (the same cast)
+        # the forward's FP8 input, made again from the kept input where that was kept (the same cast); its
+        # transpose where forward kept that (ctx.xt: then only wgrad reads it, below)
         qx = QTensor(cast(kept, kept_scale, r.input), kept_scale.reciprocal(), r.input) if ctx.hp \
             else QTensor(kept, kept_scale, r.input)
         dy2 = dy.reshape(-1, dy.shape[-1])
@@ -132,18 +143,24 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             scale, bad = scale_from_amax(amax, g, fallback=go_scale if g.granularity == "tensor" else 1.0)
             if g.strategy == "delayed":  # the scale of past steps; in warm-up (ScalingState.warming_up), its own
                 scale = torch.where(go_warm, scale, go_scale)
-            qdy = quantize(dy2, g, scale=scale)
+            fused = not r.wgrad_hp and transpose_fused(dy2, g)  # dy and dyᵀ in one pass
+            qdy, qdyt = cast_transpose(dy2, g, scale) if fused else (quantize(dy2, g, scale=scale), None)
             if ctx.telemetry_layer is not None:
                 ctx.telemetry_layer.telemetry["grad_output"] = _stats(dy2, qdy)
             # dgrad: dy [M, N] @ (Wᵀ [K, N])ᵀ
-            wt = ctx.qw.t() if r.weight.granularity == "tensor" else quantize(weight.t(), r.weight)
+            if ctx.wt:  # kept transposed
+                wt = ctx.qw
+            else:
+                wt = ctx.qw.t() if r.weight.granularity == "tensor" else quantize(weight.t(), r.weight)
             dx = scaled_matmul(qdy, wt, ctx.x_dtype)
             # wgrad: dyᵀ [N, M] @ (xᵀ [K, M])ᵀ
             if r.wgrad_hp:
                 dw = (dy2.t() @ qx.dequantize(dy.dtype)).to(weight.dtype)
             else:
-                dyt = qdy.t() if r.grad_output.granularity == "tensor" else quantize(dy2.t(), r.grad_output)
-                if r.input.granularity != "tensor":
+                dyt = qdyt if fused else qdy.t() if g.granularity == "tensor" else quantize(dy2.t(), g)
+                if ctx.xt:  # kept transposed
+                    xt = QTensor(kept, kept_scale, r.input)
+                elif r.input.granularity != "tensor":
                     xt = quantize(qx.dequantize().t(), r.input)
                 elif ctx.hp:  # a cast of its own (not the forward's, transposed), so the partitioner does not
                     # make it in forward and keep it

@@ -71,3 +71,20 @@ def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, upd
     if scale is None:
         scale = state.scales_for(x, update) if state is not None else scale_from_amax(group_amax(x, s), s)[0]
     return QTensor(cast(x, scale, s), scale.reciprocal(), s)
+
+
+def transpose_fused(x: torch.Tensor, s: Scaling) -> bool:
+    """Whether `cast_transpose` of this 2-D `x` runs as one Triton pass (eager on a GPU, one FP8 scale per tensor);
+    elsewhere it is the cast and a copy of the transposed bytes."""
+    return x.dim() == 2 and _on_triton(x, s)
+
+
+def cast_transpose(x: torch.Tensor, s: Scaling, scale: torch.Tensor) -> tuple[QTensor, QTensor]:
+    """x [M, K] cast with one `scale` for the tensor, and the same bytes transposed ([K, M], row-major): what a
+    backward GEMM takes. One pass over x where `transpose_fused`, else `cast` then `QTensor.t`: the same bytes."""
+    if transpose_fused(x, s) and scale.device == x.device:
+        y, yt, _ = torch.ops.lowbit.cast_transpose(x, scale, s.format.torch_dtype == torch.float8_e5m2, False)
+        inv = scale.reciprocal()
+        return QTensor(y, inv, s), QTensor(yt, inv, s)
+    q = QTensor(cast(x, scale, s), scale.reciprocal(), s)
+    return q, q.t()

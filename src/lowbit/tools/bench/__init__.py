@@ -19,6 +19,7 @@ WHAT = {
     "linear": "one linear layer fwd+bwd per recipe",
     "mlp": "the SwiGLU MLP fwd+bwd per recipe, and per-tensor quantization",
     "block": "one LLaMA block of a preset fwd+bwd per recipe",
+    "kernels": "quantization kernels: per-tensor quantize, fused cast + transpose, against the memory floor",
     "step": "a training step of a preset per recipe: tokens/s, MFU, peak memory",
     "memory": "bytes saved for backward by a preset's forward per recipe, and peak memory",
     "optim": "the optimizer step alone per recipe on a preset's parameters: ms, GB/s against the bytes it moves",
@@ -32,7 +33,7 @@ DEFAULTS = {"tokens": (16384, 256), "dim": (4096, 256), "hidden": (11008, 768), 
 def _common(p: argparse.ArgumentParser, what: str) -> None:
     """The options `what` reads, and no others (gemm times fixed kernels: no recipes, nothing to compile; memory
     counts one forward: nothing to time)."""
-    if what != "gemm":
+    if what not in ("gemm", "kernels"):
         p.add_argument("--recipes", default="bf16,fp8-tensorwise",
                        help="lowbit recipes, comma-separated (bf16 is measured first unless --no-bf16: ratios are "
                             "to it)" + ("; an entry RECIPE+section.key=value trains with that setting, e.g. "
@@ -40,11 +41,13 @@ def _common(p: argparse.ArgumentParser, what: str) -> None:
         p.add_argument("--torchao", default="tensorwise",
                        help="torchao float8 recipes beside them (tensorwise, rowwise, rowwise_with_gw_hp; 'none' for "
                             "none); skipped with one line when torchao is not installed")
-    p.add_argument("--no-bf16", action="store_true",
-                   help="skip the bf16 baseline (no ratios then: for a run that must fit a time limit)")
+    if what != "kernels":
+        p.add_argument("--no-bf16", action="store_true",
+                       help="skip the bf16 baseline (no ratios then: for a run that must fit a time limit)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     if what != "memory":
-        quantize = " (50 for the quantization timing: its kernels take microseconds)" if what == "mlp" else ""
+        quantize = " (50 for the quantization timing: its kernels take microseconds)" if what in ("mlp", "kernels") \
+            else ""
         p.add_argument("--steps", type=int, default=None,
                        help=f"timed iterations (GPU 20{quantize}, CPU 3); median reported")
         p.add_argument("--warmup", type=int, default=None, help="untimed iterations first (GPU 5, CPU 1)")
@@ -61,6 +64,13 @@ def _mlp_shape(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=None, help="rows of the input (GPU 16384, CPU 256)")
     p.add_argument("--dim", type=int, default=None, help="model dimension (GPU 4096 = LLaMA-7B, CPU 256)")
     p.add_argument("--hidden", type=int, default=None, help="MLP hidden width (GPU 11008 = LLaMA-7B, CPU 768)")
+
+
+def _kernel_shape(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tokens", type=int, default=None, help="rows of the tensor (GPU 16384, CPU 256)")
+    p.add_argument("--dim", type=int, default=None, help="its columns (GPU 4096, CPU 256)")
+    p.add_argument("--hidden", type=int, default=None, help="the SwiGLU's width, for the fused producers (GPU 11008, "
+                                                          "CPU 768)")
 
 
 def _preset_shape(p: argparse.ArgumentParser, vocab: bool) -> None:
@@ -80,6 +90,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
         _common(s, what)
         if what in ("gemm", "linear", "mlp"):
             _mlp_shape(s)
+        elif what == "kernels":
+            _kernel_shape(s)
         else:
             _preset_shape(s, vocab=what != "block")
         if what == "optim":
@@ -97,7 +109,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                 "tokens/s there (a `capacity` table)")
             s.add_argument("--profile", action="store_true",
                            help="also time forward, backward and optimizer apart and, on a GPU, sum one step's "
-                                "kernel time by kind (GEMM, attention, fused, aten) with the GPU's idle time")
+                                "kernel time by kind (GEMM, attention, quantization, fused, other) with the GPU's idle "
+                                "time")
         if what == "mlp":
             s.add_argument("--no-quantize", action="store_true", help="skip the quantization timing")
 
@@ -117,7 +130,7 @@ def _resolve(a: argparse.Namespace, device) -> None:
     from lowbit.tools.bench.layers import preset_args
 
     gpu = device.type == "cuda"
-    if a.what == "mlp":  # quantization kernels take microseconds: more iterations for a stable median, unless asked
+    if a.what in ("mlp", "kernels"):  # quantization kernels take microseconds: more iterations for a stable median
         a.quantize_steps = a.steps if a.steps is not None else 50 if gpu else DEFAULTS["steps"][1]
     for key, (on_gpu, on_cpu) in DEFAULTS.items():
         if hasattr(a, key) and getattr(a, key) is None:
@@ -139,7 +152,7 @@ def _resolve(a: argparse.Namespace, device) -> None:
             raise LowbitError(f"bench: --update {a.update} needs a GPU with Triton (LOWBIT_TRITON not 0)")
     if a.what in ("block", "step", "memory", "optim"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
         a.model_args = preset_args(a.preset, a.seq, getattr(a, "vocab", 32000))
-    if a.what != "gemm":
+    if a.what not in ("gemm", "kernels"):
         settings = {"step": STEP_SETTINGS, "optim": ("--optim.",)}.get(a.what, ())  # what a variant may set
         a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16, variants=settings)
         a.torchao_list = torchao_recipes(a.torchao)
@@ -160,6 +173,8 @@ def run(a: argparse.Namespace) -> int:
     report = Report(a.what, metadata(device, argv), config, a.out)
     if a.what == "gemm":
         from lowbit.tools.bench.kernels import run_gemm as fn
+    elif a.what == "kernels":
+        from lowbit.tools.bench.kernels import run_kernels as fn
     elif a.what in ("linear", "mlp", "block"):
         from lowbit.tools.bench import layers
 

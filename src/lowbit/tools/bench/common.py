@@ -164,6 +164,19 @@ def maybe_compile(module, compiled: bool):
     return torch.compile(module) if compiled else module
 
 
+class MLP(nn.Module):
+    """LLaMA's SwiGLU MLP (the same layers as lowbit.models.llama.FeedForward, with its shape given directly)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
 # ---- variants of a module: bf16 (as built), each lowbit recipe, each torchao float8 recipe --------------------------
 
 # what a `bench step` variant may set: how the step computes, not what (the preset's shape stays)

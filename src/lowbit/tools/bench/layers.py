@@ -4,25 +4,11 @@ torchao float8 recipe, in one process: a linear layer, the SwiGLU MLP (LLaMA-7B'
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.tools.bench.common import (Report, Table, add_ratios, apply_variant, error_row, maybe_compile, release,
+from lowbit.tools.bench.common import (MLP, Report, Table, add_ratios, apply_variant, error_row, maybe_compile, release,
                                        time_ms, variants)
-
-
-class MLP(nn.Module):
-    """LLaMA's SwiGLU MLP (the same layers as lowbit.models.llama.FeedForward, with its shape given directly)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class BlockWithRope(nn.Module):

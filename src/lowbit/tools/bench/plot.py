@@ -14,7 +14,8 @@ VALUES = {"quantize": (("ms_graph", "ms per call (in a CUDA graph; else back to 
                        ("ms_back_to_back", ""), ("ms", "")),
           "memory": (("activations_mib", "activations saved for backward, MiB"), ("saved_mib", ""))}
 DEFAULT = (("ms", "ms (median)"),)
-KINDS = ("gemm_ms", "attention_ms", "fused_ms", "aten_ms", "idle_ms")  # the profile's kernel time by kind
+KINDS = ("gemm_ms", "attention_ms", "quant_ms", "fused_quant_ms", "fused_ms", "aten_ms", "idle_ms")  # the profile's
+# kernel time by kind (bench.profile.KIND_NAMES); a report written before quant_ms had no such key: drawn as 0
 
 
 def _value(row: dict, keys) -> float | None:

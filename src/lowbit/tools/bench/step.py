@@ -90,11 +90,19 @@ def _notes(t: Table, prof: Table | None, peak: float | None) -> None:
     if prof:
         prof.notes.append("Phases: CUDA events between forward (with the loss), backward (with the gradient hooks) "
                           "and clipping + optimizer step + zero_grad, medians over --steps. Kernels: one profiled "
-                          "step, kernel time by kind (lowbit.tools.bench.profile.KINDS); GPU idle: the timed step less "
+                          "step, kernel time by kind (lowbit.tools.bench.profile.kind: GEMM, attention, "
+                          "quantization alone, quantization fused into work bf16 does too, other fused, other); "
+                          "GPU idle: the timed step less "
                           "the profiled step's kernel-busy time (the GPU waited for the host); the JSON lists the "
                           "top kernels.")
     if peak:
         t.notes.append(f"MFU against {peak / 1e12:.0f} TFLOP/s dense BF16; FLOPs/token from Llama.flops_per_token.")
+
+
+def _kinds(a, prof: Table | None, report: Report) -> None:
+    """On a GPU, the profile's kernel time by kind with a column per variant (the table `profile_kinds`)."""
+    if prof and any("gemm_ms" in r for r in prof.rows):
+        report.table(profile.kinds_table(prof.rows, f"kernel time by kind (`{a.preset}`, {a.batch} x {a.seq}), ms"))
 
 
 def run_step(a, device: torch.device, report: Report) -> None:
@@ -104,8 +112,7 @@ def run_step(a, device: torch.device, report: Report) -> None:
     t, prof = _tables(a, device, report)
     x, y = batch(a.batch, a.seq, a.vocab, device)
     for v in variants(a.recipe_list, a.torchao_list):
-        row = {"variant": v.name}
-        prow = {"variant": v.name}
+        row, prow = {"variant": v.name}, {"variant": v.name}
         profiling = False  # an error from here on is the profile's, not the step's
         model = opt = None
         try:
@@ -176,4 +183,5 @@ def run_step(a, device: torch.device, report: Report) -> None:
             report.row(prof, prow)
     _relative(t)
     _notes(t, prof, peak)
+    _kinds(a, prof, report)
     report.save(complete=False)

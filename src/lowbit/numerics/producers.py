@@ -1,0 +1,244 @@
+"""Fused producers: the SwiGLU product silu(a)·b and RMSNorm written directly as FP8 with the scale of the linear
+that reads them, with the amax of what they wrote, so that no bf16 activation is written only to be read back and
+cast.
+
+The math is the model's, rounding for rounding: silu(a) rounded to a's dtype, times b rounded to b's
+(models/llama.py `_SiluMul`, autograd's mul); the norm's rows in fp32, `(x · rstd)` rounded to x's dtype, times the
+weight in the weight's dtype (`_RMSNorm`). Then the cast of `qtensor.cast`. So the FP8 bytes are those of the
+unfused path (the norm's given the same rstd: a sum over a row in another order may differ in its last bit).
+
+Current scaling needs the amax before the cast: `*_amax` reads the inputs once for it (nothing written), the cast
+pass reads them again and writes FP8: 2 + 2 (+ 2) bytes read per element and 1 written, where the unfused path
+writes the bf16 output (2), reads it for the amax (2) and again for the cast (2 + 1 written). With a scale known
+before (delayed scaling), one pass writes FP8 and takes the amax for the next step's scale.
+
+Each is a custom op (`lowbit::swiglu_amax`, `lowbit::swiglu_cast`, `lowbit::rmsnorm_amax`, `lowbit::rmsnorm_cast`)
+with a CPU kernel of the torch formulas and a fake one, so torch.compile keeps them as calls and a CPU test can
+run their callers. Written here rather than taken from a library: torchao and TransformerEngine fuse these into
+their own modules and kernels (TE's in CUDA, built with the package); lowbit's numerics stay its own formulas and
+Triton only (no build step).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.numerics import kernels
+from lowbit.numerics.qtensor import QTensor
+from lowbit.numerics.scaling import Scaling, scale_from_amax
+
+triton = kernels.triton
+if triton is not None:
+    import triton.language as tl
+    from triton.language.extra import libdevice
+
+    @triton.jit
+    def _amax_into(stats_ptr, h, mask):
+        # max |h| over the finite and infinite values, and 1 if any NaN, into stats by atomic max (as _amax_kernel)
+        h = tl.where(mask, h, 0.0)
+        tl.atomic_max(stats_ptr, tl.max(tl.where(h != h, 0.0, tl.abs(h)), axis=0))
+        tl.atomic_max(stats_ptr + 1, tl.max(tl.where(h != h, 1.0, 0.0), axis=0))
+
+    @triton.jit
+    def _to_fp8(h, scale, FMT_MAX: tl.constexpr, DTYPE: tl.constexpr):
+        y = h * scale
+        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
+        return y.to(DTYPE, fp_downcast_rounding="rtne")
+
+    @triton.jit
+    def _swiglu_fp8_kernel(a_ptr, b_ptr, y_ptr, scale_ptr, stats_ptr, n, FMT_MAX: tl.constexpr,
+                           STORE: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + offs, mask=mask, other=0.0)
+        # torch's silu: x / (1 + exp(-x)) in fp32, IEEE division and expf; then rounded to a's dtype
+        s = tl.math.div_rn(a, 1.0 + libdevice.exp(-a)).to(a_ptr.dtype.element_ty).to(tl.float32)
+        h = (s * b.to(tl.float32)).to(b.dtype).to(tl.float32)  # the product rounded to b's dtype, as torch's mul
+        if AMAX:
+            _amax_into(stats_ptr, h, mask)
+        if STORE:
+            tl.store(y_ptr + offs, _to_fp8(h, tl.load(scale_ptr), FMT_MAX, y_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rmsnorm_fp8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, scale_ptr, stats_ptr, N, eps, FMT_MAX: tl.constexpr,
+                            OUT_W_DTYPE: tl.constexpr, STORE: tl.constexpr, AMAX: tl.constexpr,
+                            BLOCK: tl.constexpr):
+        # one row per program: rstd = 1/sqrt(mean(x²) + eps) in fp32, out = w · (x · rstd rounded to x's dtype)
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        xr = tl.load(x_ptr + row * N + cols, mask=mask, other=0.0)
+        x = xr.to(tl.float32)
+        # torch: the mean as the sum times 1/N (its MeanOps), rsqrt as CUDA's rsqrtf
+        rstd = libdevice.rsqrt(tl.sum(x * x, axis=0) * tl.math.div_rn(1.0, N.to(tl.float32)) + eps)
+        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        h = w.to(tl.float32) * (x * rstd).to(xr.dtype).to(tl.float32)
+        if OUT_W_DTYPE:  # a weight in x's 16-bit dtype: torch's product is rounded to it
+            h = h.to(w.dtype).to(tl.float32)
+        if AMAX:
+            _amax_into(stats_ptr, h, mask)
+        if STORE:
+            tl.store(rstd_ptr + row, rstd)
+            tl.store(y_ptr + row * N + cols, _to_fp8(h, tl.load(scale_ptr), FMT_MAX, y_ptr.dtype.element_ty),
+                     mask=mask)
+
+SWIGLU_BLOCK, SWIGLU_WARPS = 2048, 8
+# Launched with enable_fp_fusion=False: torch rounds `mean(x²)` before adding eps (and each product before a sum),
+# where a fused multiply-add would round once
+
+
+def _fp8(e5m2: bool) -> torch.dtype:
+    return torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
+
+
+def _amax_of(stats: torch.Tensor) -> torch.Tensor:
+    return torch.where(stats[1] > 0, torch.nan, stats[0])
+
+
+def _swiglu_launch(a, b, scale, e5m2: bool, store: bool, amax: bool):
+    a, b = a.contiguous(), b.contiguous()
+    y = torch.empty(a.shape, device=a.device, dtype=_fp8(e5m2)) if store else a.new_empty(0, dtype=_fp8(e5m2))
+    stats = torch.zeros(2, device=a.device, dtype=torch.float32)
+    n = a.numel()
+    s = scale.float().reshape(1) if scale is not None else stats
+    with torch.cuda.device(a.device):
+        _swiglu_fp8_kernel[(triton.cdiv(n, SWIGLU_BLOCK),)](a, b, y, s, stats, n, FMT_MAX=kernels.FP8_MAX[y.dtype],
+                                                           STORE=store, AMAX=amax, BLOCK=SWIGLU_BLOCK,
+                                                           num_warps=SWIGLU_WARPS, enable_fp_fusion=False)
+    return y, _amax_of(stats)
+
+
+def _swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return F.silu(a) * b
+
+
+@torch.library.custom_op("lowbit::swiglu_amax", mutates_args=(), device_types="cuda")
+def swiglu_amax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """max |silu(a)·b| (NaN if one is), reading a and b once and writing nothing."""
+    return _swiglu_launch(a, b, None, False, False, True)[1]
+
+
+@swiglu_amax.register_kernel("cpu")
+def _(a, b):
+    return _swiglu_ref(a, b).abs().amax().float()
+
+
+@swiglu_amax.register_fake
+def _(a, b):
+    return a.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("lowbit::swiglu_cast", mutates_args=(), device_types="cuda")
+def swiglu_cast(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, e5m2: bool,
+                with_amax: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(silu(a)·b cast with `scale` to E4M3 / E5M2, its amax when `with_amax` else 0), in one pass."""
+    y, amax = _swiglu_launch(a, b, scale, e5m2, True, with_amax)
+    return y, amax if with_amax else torch.zeros_like(amax)
+
+
+@swiglu_cast.register_kernel("cpu")
+def _(a, b, scale, e5m2, with_amax):
+    h = _swiglu_ref(a, b)
+    fmax = kernels.FP8_MAX[_fp8(e5m2)]
+    y = (h.float() * scale.float()).clamp(-fmax, fmax).to(_fp8(e5m2))
+    return y, h.abs().amax().float() if with_amax else torch.zeros((), dtype=torch.float32)
+
+
+@swiglu_cast.register_fake
+def _(a, b, scale, e5m2, with_amax):
+    return a.new_empty(a.shape, dtype=_fp8(e5m2)), a.new_empty((), dtype=torch.float32)
+
+
+def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool):
+    x, w = x.contiguous(), w.contiguous()
+    M, N = x.shape
+    y = torch.empty((M, N), device=x.device, dtype=_fp8(e5m2)) if store else x.new_empty(0, dtype=_fp8(e5m2))
+    rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32) if store else y
+    stats = torch.zeros(2, device=x.device, dtype=torch.float32)
+    block = triton.next_power_of_2(N)
+    with torch.cuda.device(x.device):
+        _rmsnorm_fp8_kernel[(M,)](x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, N,
+                                  eps, FMT_MAX=kernels.FP8_MAX[y.dtype],
+                                  OUT_W_DTYPE=w.dtype != torch.float32 and w.dtype == x.dtype, STORE=store,
+                                  AMAX=True, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                                  enable_fp_fusion=False)
+    return y, rstd, _amax_of(stats)
+
+
+def _rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * (h * rstd).to(x.dtype), rstd
+
+
+@torch.library.custom_op("lowbit::rmsnorm_amax", mutates_args=(), device_types="cuda")
+def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """max |RMSNorm(x)·w| of a 2-D x, reading x once and writing nothing."""
+    return _rmsnorm_launch(x, w, eps, None, False, False)[2]
+
+
+@rmsnorm_amax.register_kernel("cpu")
+def _(x, w, eps):
+    return _rmsnorm_ref(x, w, eps)[0].abs().amax().float()
+
+
+@rmsnorm_amax.register_fake
+def _(x, w, eps):
+    return x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.custom_op("lowbit::rmsnorm_cast", mutates_args=(), device_types="cuda")
+def rmsnorm_cast(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor,
+                 e5m2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x)·w of a 2-D x cast with `scale`, the fp32 rstd of each row [M, 1] (what the norm's backward
+    keeps), the amax), in one pass."""
+    return _rmsnorm_launch(x, w, eps, scale, e5m2, True)
+
+
+@rmsnorm_cast.register_kernel("cpu")
+def _(x, w, eps, scale, e5m2):
+    h, rstd = _rmsnorm_ref(x, w, eps)
+    fmax = kernels.FP8_MAX[_fp8(e5m2)]
+    return (h.float() * scale.float()).clamp(-fmax, fmax).to(_fp8(e5m2)), rstd, h.abs().amax().float()
+
+
+@rmsnorm_cast.register_fake
+def _(x, w, eps, scale, e5m2):
+    M, N = x.shape
+    return (x.new_empty((M, N), dtype=_fp8(e5m2)), x.new_empty((M, 1), dtype=torch.float32),
+            x.new_empty((), dtype=torch.float32))
+
+
+def _current(amax: torch.Tensor, s: Scaling) -> torch.Tensor:
+    """The current scale of scaling.current_scale from an amax (1 where it is bad)."""
+    return scale_from_amax(amax, s)[0]
+
+
+def swiglu_fp8(a: torch.Tensor, b: torch.Tensor, s: Scaling,
+               scale: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor]:
+    """silu(a)·b as FP8 [M, H] (a, b [M, H] contiguous) and its amax: with `scale` (a delayed one) in one pass,
+    else by current scaling (an amax pass, then the cast)."""
+    if scale is None:
+        amax = torch.ops.lowbit.swiglu_amax(a, b)
+        scale = _current(amax, s)
+        y, _ = torch.ops.lowbit.swiglu_cast(a, b, scale, s.fmt == "e5m2", False)
+    else:
+        y, amax = torch.ops.lowbit.swiglu_cast(a, b, scale, s.fmt == "e5m2", True)
+    return QTensor(y, scale.reciprocal(), s), amax
+
+
+def rmsnorm_fp8(x: torch.Tensor, w: torch.Tensor, eps: float, s: Scaling,
+                scale: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor, torch.Tensor]:
+    """RMSNorm(x)·w of a 2-D x as FP8, the rstd of each row and the amax: with `scale` in one pass, else by
+    current scaling (an amax pass, then the cast)."""
+    if scale is None:
+        scale = _current(torch.ops.lowbit.rmsnorm_amax(x, w, eps), s)
+    y, rstd, amax = torch.ops.lowbit.rmsnorm_cast(x, w, eps, scale, s.fmt == "e5m2")
+    return QTensor(y, scale.reciprocal(), s), rstd, amax
+
+
+def fused_usable(*tensors: torch.Tensor) -> bool:
+    """Whether the Triton kernels take these (as kernels.usable: eager, CUDA with FP8, contiguous)."""
+    return all(kernels.usable(t) for t in tensors)
