@@ -454,9 +454,12 @@ def test_val_batches():
     split = make_split(8 * 10 + 1)
     batches = val_batches(split, 8, 4, max_batches=2)
     assert [x.shape[0] for x, _ in batches] == [4, 4]
-    assert torch.cat([x for x, _ in batches])[:, 0].tolist() == list(range(0, 64, 8))
+    # 8 of the 10 windows, spread over the split (0 1 2 3 5 6 7 8), not the first 8
+    assert torch.cat([x for x, _ in batches])[:, 0].tolist() == [8 * i for i in (0, 1, 2, 3, 5, 6, 7, 8)]
     assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in batches)
-    assert [x.shape[0] for x, _ in val_batches(split, 8, 4, max_batches=100)] == [4, 4, 2]
+    everything = val_batches(split, 8, 4, max_batches=100)
+    assert [x.shape[0] for x, _ in everything] == [4, 4, 2]
+    assert torch.cat([x for x, _ in everything])[:, 0].tolist() == list(range(0, 80, 8))
     assert val_batches(split, 8, 4, max_batches=0) == []
 
 

@@ -57,7 +57,9 @@ class DataConfig:
     vocab_size: int = opt(4096, "vocabulary of a newly trained tokenizer")
     field: str = opt("text", "JSON field holding the text in .jsonl inputs")
     column: str = opt("text", "column holding the text in .parquet inputs")
-    val_fraction: float = opt(0.005, "fraction of documents held out for validation when preparing")
+    val_fraction: float | None = opt(None, "fraction of documents held out for validation when preparing; "
+                                           "unset: 0.05 of the built-in corpus, 0.005 of others")
+    eos_token: str = opt("", "end-of-document token of data.tokenizer; empty: <|endoftext|>, </s> or <eos>")
     seq_len: int = opt(128, "tokens per training sequence")
     cache_dir: str = opt("", "where prepared datasets are cached; empty: $LOWBIT_CACHE or ~/.cache/lowbit")
     verify: bool = opt(True, "check shard checksums against meta.json at start")
@@ -353,7 +355,7 @@ def validate(cfg: Config) -> None:
     for key in NON_NEGATIVE:
         if get(cfg, key) < 0:
             raise LowbitError(f"{key}: must be >= 0, got {get(cfg, key)}")
-    if not 0 <= cfg.data.val_fraction < 1:
+    if cfg.data.val_fraction is not None and not 0 <= cfg.data.val_fraction < 1:
         raise LowbitError(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
     if not (0 <= cfg.train.beta1 < 1 and 0 <= cfg.train.beta2 < 1):
         raise LowbitError("train.beta1/train.beta2: must be in [0, 1)")

@@ -41,7 +41,8 @@ def check_inputs(cfg: Config, mesh, recipe) -> Inputs:
     run_dir, lead = Path(cfg.run.dir), mesh.rank == 0
     data_path = lead_first(mesh, lambda: resolve_dataset(
         cfg.data.path, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size, field=cfg.data.field,
-        column=cfg.data.column, val_fraction=cfg.data.val_fraction, cache_dir=cfg.data.cache_dir or None))
+        column=cfg.data.column, val_fraction=cfg.data.val_fraction, cache_dir=cfg.data.cache_dir or None,
+        eos_token=cfg.data.eos_token))
     dataset = TokenDataset(data_path, tokenizer=cfg.data.tokenizer, verify=cfg.data.verify)
     args = resolve_model_args(cfg.model, vocab_size=dataset.vocab_size, seq_len=cfg.data.seq_len)
     t = cfg.train
@@ -61,8 +62,8 @@ def check_inputs(cfg: Config, mesh, recipe) -> Inputs:
 
 
 def _validation_batches(cfg: Config, dataset: TokenDataset, data_path: Path, lead: bool) -> list:
-    """The validation set is the first eval_batches x batch_size windows whatever the micro-batch size (a memory
-    knob must not change what the loss is measured on), scored one micro-batch at a time."""
+    """The validation set is eval_batches x batch_size windows spread over the split whatever the micro-batch size
+    (a memory knob must not change what the loss is measured on), scored one micro-batch at a time."""
     t = cfg.train
     val_split = dataset.split("val")
     micro = t.micro_batch_size or t.batch_size
