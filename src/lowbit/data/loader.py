@@ -48,6 +48,13 @@ class Loader:
         w = torch.from_numpy(windows)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
+    def position(self, step: int) -> dict:
+        """What a checkpoint after `step` steps records of the data: the step is the whole position."""
+        return {"batch": step, "seed": self.seed, "epoch": self.epoch_of(step)}
+
+    def seek(self, position: dict) -> None:
+        """Nothing to do: batch(step) needs no state (StreamLoader's counterpart does)."""
+
     def epoch_of(self, step: int) -> float:
         """Epochs consumed before batch `step` (so int() of it is the epoch the batch starts in)."""
         return step * self.global_batch / self.num_windows

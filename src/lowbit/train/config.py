@@ -62,6 +62,8 @@ class DataConfig:
     eos_token: str = opt("", "end-of-document token of data.tokenizer; empty: <|endoftext|>, </s> or <eos>")
     seq_len: int = opt(128, "tokens per training sequence")
     cache_dir: str = opt("", "where prepared datasets are cached; empty: $LOWBIT_CACHE or ~/.cache/lowbit")
+    stream: bool = opt(False, "tokenize data.path as training reads it (HF datasets streaming; local files or a Hub "
+                              "dataset owner/name[:config]) instead of preparing shards; needs data.tokenizer")
     verify: bool = opt(True, "check shard checksums against meta.json at start")
 
 
