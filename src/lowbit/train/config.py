@@ -169,6 +169,8 @@ class RunConfig:
     resume: bool = opt(False, "continue from the newest good checkpoint in run.dir")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N")
     tensorboard: bool = opt(False, "also write TensorBoard event files to run.dir/tensorboard")
+    wandb: bool = opt(False, "also log to Weights & Biases (pip install wandb; WANDB_MODE=offline: no account)")
+    wandb_project: str = opt("lowbit", "the W&B project of run.wandb")
     plot: bool = opt(True, "write loss.png at the end of the run")
 
 

@@ -17,7 +17,7 @@ from lowbit.errors import LowbitError
 from lowbit.models.llama import ModelArgs, resolve_model_args
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.config import Config, to_toml
-from lowbit.train.metrics import check_tensorboard, warn
+from lowbit.train.metrics import check_tensorboard, check_wandb, warn
 
 # Model args that may differ on resume: how the same function is computed, not which.
 RESUMABLE_CHANGES = ("checkpointing", "init_std", "performer_chunk", "performer_redraw", "sdpa_backend")
@@ -40,6 +40,8 @@ class Inputs:
 def check_inputs(cfg: Config, mesh, recipe) -> Inputs:
     """Check every input, then prepare the run directory (the first write)."""
     run_dir, lead = Path(cfg.run.dir), mesh.rank == 0
+    if cfg.run.wandb:
+        check_wandb()
     if cfg.data.stream:
         data_path, dataset, loader, val_data = _stream(cfg, mesh)
     else:
@@ -55,6 +57,7 @@ def check_inputs(cfg: Config, mesh, recipe) -> Inputs:
                               f"no stream position)")
     if cfg.run.tensorboard:
         check_tensorboard()
+
     config_text = to_toml(cfg)  # a value TOML cannot hold fails here, before the run dir exists
     lead_first(mesh, lambda: prepare_run_dir(run_dir, cfg.run.resume) if lead else None)
     return Inputs(data_path, dataset, args, loader, val_data, resume_from, resumed, config_text)
@@ -138,7 +141,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 RUN_FILES = {"config.toml": False, "tokenizer.json": False, "metrics.jsonl": False, "summary.json": False,
-             "loss.png": False, "memory.json": False, "checkpoints": True}  # name: whether it is a directory
+             "loss.png": False, "memory.json": False, "checkpoints": True, "wandb": True}  # name: whether it is a directory
 
 
 def this_rank(x, y, positions):
