@@ -29,7 +29,7 @@ def add_prepare_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--field", default="text", metavar="F", help="JSON key holding the text in .jsonl files")
     parser.add_argument("--column", default="text", metavar="C", help="column holding the text in .parquet files")
     parser.add_argument("--val-fraction", type=float, default=None, metavar="X",
-                        help="share of documents held out (default 0.005; 0.05 for the builtin corpus)")
+                        help="share of documents held out (default 0.005; 0.1 for the builtin corpus)")
     parser.add_argument("--eos-token", default="", metavar="T",
                         help="the end-of-document token (default: <|endoftext|>, </s> or <eos>, found in the tokenizer)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the train/validation split")

@@ -58,7 +58,7 @@ class DataConfig:
     field: str = opt("text", "JSON field holding the text in .jsonl inputs")
     column: str = opt("text", "column holding the text in .parquet inputs")
     val_fraction: float | None = opt(None, "fraction of documents held out for validation when preparing; "
-                                           "unset: 0.05 of the built-in corpus, 0.005 of others")
+                                           "unset: 0.1 of the built-in corpus, 0.005 of others")
     eos_token: str = opt("", "end-of-document token of data.tokenizer; empty: <|endoftext|>, </s> or <eos>")
     seq_len: int = opt(128, "tokens per training sequence")
     cache_dir: str = opt("", "where prepared datasets are cached; empty: $LOWBIT_CACHE or ~/.cache/lowbit")
