@@ -14,7 +14,7 @@ import torch
 
 from conftest import SMALL, assert_user_error, cli, losses, read_metrics
 from lowbit.data import train_tokenizer
-from lowbit.data.stream import StreamData, StreamLoader, TokenStream, stream_inputs
+from lowbit.data.stream import StreamData, TokenStream, stream_inputs
 from lowbit.errors import LowbitError
 
 pytestmark = pytest.mark.slow  # importing datasets alone takes seconds (done by the first test, not at collection)
