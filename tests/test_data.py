@@ -454,9 +454,12 @@ def test_val_batches():
     split = make_split(8 * 10 + 1)
     batches = val_batches(split, 8, 4, max_batches=2)
     assert [x.shape[0] for x, _ in batches] == [4, 4]
-    assert torch.cat([x for x, _ in batches])[:, 0].tolist() == list(range(0, 64, 8))
+    # 8 of the 10 windows, spread over the split (0 1 2 3 5 6 7 8), not the first 8
+    assert torch.cat([x for x, _ in batches])[:, 0].tolist() == [8 * i for i in (0, 1, 2, 3, 5, 6, 7, 8)]
     assert all(torch.equal(x[:, 1:], y[:, :-1]) for x, y in batches)
-    assert [x.shape[0] for x, _ in val_batches(split, 8, 4, max_batches=100)] == [4, 4, 2]
+    everything = val_batches(split, 8, 4, max_batches=100)
+    assert [x.shape[0] for x, _ in everything] == [4, 4, 2]
+    assert torch.cat([x for x, _ in everything])[:, 0].tolist() == list(range(0, 80, 8))
     assert val_batches(split, 8, 4, max_batches=0) == []
 
 
@@ -534,3 +537,19 @@ def test_cli_prepare(text_dir, tmp_path, capsys, small_builtin, monkeypatch):
     assert printed.parent == tmp_path / "cache" and (printed / "meta.json").is_file()
     assert run_prepare(parser.parse_args(["--out", str(tmp_path / "b"), "--vocab-size", "300"])) == 0
     assert (tmp_path / "b" / "meta.json").is_file()
+
+
+def test_builtin_split_holds_out_a_tenth_of_the_files_in_a_cache_entry_of_its_own(monkeypatch, tmp_path):
+    """The built-in corpus's default split (10% of its files) is prepared into its own cache entry: a dataset
+    prepared with another split is never reused as this one."""
+    d = tmp_path / "many"
+    d.mkdir()
+    for i in range(200):
+        (d / f"f{i:03d}.py").write_text(f"def f{i}(x):\n    return x * {i} + {i % 7}\n")
+    monkeypatch.setattr(cache_mod, "builtin_corpus_files", lambda: sorted(d.glob("*.py")))
+    out = default_dataset(cache_dir=tmp_path / "cache", vocab_size=300)
+    docs = json.loads((out / "meta.json").read_text())["documents"]
+    assert docs["train"] + docs["val"] == 200 and 10 <= docs["val"] <= 30  # ~20 of 200 drawn at 0.1
+    assert default_dataset(cache_dir=tmp_path / "cache", vocab_size=300, val_fraction=0.1) == out
+    other = default_dataset(cache_dir=tmp_path / "cache", vocab_size=300, val_fraction=0.005)
+    assert other != out and json.loads((other / "meta.json").read_text())["documents"]["val"] < docs["val"]

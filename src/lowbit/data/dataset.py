@@ -57,10 +57,11 @@ class TokenDataset:
         self.meta = _read_meta(self.path)
         self.vocab_size = int(self.meta["vocab_size"])
         self.eos_id = int(self.meta["eos_id"])
+        self.eos_token = str(self.meta.get("eos_token") or "")  # the token prepare named, if it recorded it
         self.tokenizer_path = self.path / "tokenizer.json"
         self._check_own_tokenizer()
         if tokenizer:
-            h = tokenizer_hash(load_tokenizer(tokenizer))
+            h = tokenizer_hash(load_tokenizer(tokenizer, self.eos_token))
             if h != self.meta["tokenizer_hash"]:
                 raise LowbitError(
                     f"tokenizer {tokenizer} (hash {h[:12]}) differs from the one the shards in {self.path} "
@@ -78,14 +79,14 @@ class TokenDataset:
         return self._splits[name]
 
     def load_tokenizer(self) -> Tokenizer:
-        return load_tokenizer(self.tokenizer_path)
+        return load_tokenizer(self.tokenizer_path, self.eos_token)
 
     def _check_own_tokenizer(self) -> None:
         """tokenizer.json is present, loads, and its ids fit meta.json's vocab_size."""
         if not self.tokenizer_path.is_file():
             raise LowbitError(f"{self.tokenizer_path} is missing; re-run `lowbit prepare`")
         try:
-            n = load_tokenizer(self.tokenizer_path).get_vocab_size()
+            n = load_tokenizer(self.tokenizer_path, self.eos_token).get_vocab_size()
         except LowbitError as e:
             raise LowbitError(f"{e}; re-run `lowbit prepare`") from None
         if self.vocab_size < n or not 0 <= self.eos_id < self.vocab_size:

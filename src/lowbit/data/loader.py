@@ -48,6 +48,13 @@ class Loader:
         w = torch.from_numpy(windows)
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
+    def position(self, step: int) -> dict:
+        """What a checkpoint after `step` steps records of the data: the step is the whole position."""
+        return {"batch": step, "seed": self.seed, "epoch": self.epoch_of(step)}
+
+    def seek(self, position: dict) -> None:
+        """Nothing to do: batch(step) needs no state (StreamLoader's counterpart does)."""
+
     def epoch_of(self, step: int) -> float:
         """Epochs consumed before batch `step` (so int() of it is the epoch the batch starts in)."""
         return step * self.global_batch / self.num_windows
@@ -64,13 +71,14 @@ class Loader:
 def val_batches(
     split: TokenSplit, seq_len: int, batch: int, max_batches: int | None
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first max_batches*batch windows in order (all of them for None), in batches of `batch`;
-    the last batch may be smaller. Empty when the split has no full window."""
-    n = split.num_windows(seq_len)
-    if max_batches is not None:
-        n = min(n, max(0, max_batches) * batch)
+    """max_batches*batch windows spread evenly over the split, in order (all of them for None), in batches of
+    `batch`; the last batch may be smaller. Empty when the split has no full window. Spread, not the first
+    ones: the loss is then measured over every held-out document, not over the few that come first."""
+    total = split.num_windows(seq_len)
+    n = total if max_batches is None else min(total, max(0, max_batches) * batch)
+    picked = (np.arange(n, dtype=np.int64) * total) // max(n, 1)  # strictly increasing: n <= total
     out = []
     for start in range(0, n, batch):
-        w = torch.from_numpy(np.stack([split.window(i, seq_len) for i in range(start, min(n, start + batch))]))
+        w = torch.from_numpy(np.stack([split.window(int(i), seq_len) for i in picked[start:start + batch]]))
         out.append((w[:, :-1].contiguous(), w[:, 1:].contiguous()))
     return out

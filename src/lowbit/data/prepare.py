@@ -33,6 +33,7 @@ def prepare(
     column: str = "text",
     val_fraction: float = 0.005,
     seed: int = 0,
+    eos_token: str = "",
     shard_tokens: int = SHARD_TOKENS,
     overwrite: bool = False,
     sources: list[str] | None = None,
@@ -60,10 +61,11 @@ def prepare(
     print(f"lowbit prepare: {len(files)} file(s) -> {out_dir} ({how})", flush=True)
 
     if tokenizer:
-        tok = load_tokenizer(tokenizer)
+        tok = load_tokenizer(tokenizer, eos_token)
     else:
         counted = [0]
-        tok = train_tokenizer(_counting(_nonempty(read_documents(files, field, column)), counted), vocab_size)
+        tok = train_tokenizer(_counting(_nonempty(read_documents(files, field, column)), counted), vocab_size,
+                              eos_token)
         if counted[0] == 0:
             raise _empty(sources)
 
@@ -75,7 +77,8 @@ def prepare(
         raise LowbitError(f"cannot create {tmp}: {e.strerror}") from None
     try:
         docs = _nonempty(read_documents(files, field, column))
-        meta = _write_dataset(tmp, tok, docs, val_fraction, seed, shard_tokens, sources)
+        meta = _write_dataset(tmp, tok, eos_id(tok, eos_token), docs, val_fraction, seed, shard_tokens, sources)
+        meta["eos_token"] = tok.id_to_token(meta["eos_id"])
         meta["settings"] = {"field": field, "column": column, "val_fraction": val_fraction, "seed": seed}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
         _publish(tmp, out_dir, overwrite)
@@ -91,10 +94,9 @@ def prepare(
     return meta
 
 
-def _write_dataset(tmp: Path, tok: Tokenizer, docs: Iterator[str], val_fraction: float, seed: int,
+def _write_dataset(tmp: Path, tok: Tokenizer, eos: int, docs: Iterator[str], val_fraction: float, seed: int,
                    shard_tokens: int, sources: list[str]) -> dict:
     dtype = token_dtype(tok.get_vocab_size())
-    eos = eos_id(tok)
     tok.save(str(tmp / "tokenizer.json"))
     writers = {s: ShardWriter(tmp, s, dtype, shard_tokens) for s in ("train", "val")}
     # Each split's latest document stays in memory, so _rebalance can still move it.

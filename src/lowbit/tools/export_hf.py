@@ -16,7 +16,7 @@ from lowbit.models.hf import hf_config, hf_state_dict
 
 def export(run_dir: str, out_dir: str) -> Path:
     from lowbit.data import EOS_TOKEN, eos_id, load_tokenizer
-    from lowbit.tools.generate import load_trained
+    from lowbit.tools.generate import load_trained, run_eos_token
 
     model, tok_path, _ = load_trained(run_dir)
     if model.args.attention != "sdpa":
@@ -31,8 +31,9 @@ def export(run_dir: str, out_dir: str) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise LowbitError(f"export-hf: cannot create {out} ({e.strerror or e})") from None
-    tok = load_tokenizer(tok_path)
-    eos = eos_id(tok)
+    name = run_eos_token(tok_path)
+    tok = load_tokenizer(tok_path, name)
+    eos = eos_id(tok, name)
     eos_text = tok.id_to_token(eos) or EOS_TOKEN
     save_file(hf_state_dict(model), str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(hf_config(model.args, eos), indent=1))

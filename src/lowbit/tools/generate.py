@@ -26,6 +26,19 @@ def load_trained(run_dir: str) -> tuple[Llama, Path, dict]:
     raise LowbitError(f"no tokenizer.json beside checkpoint {path} (expected in the run directory)")
 
 
+def run_eos_token(tok_path: Path) -> str:
+    """The data.eos_token of the run whose tokenizer this is ("" if unset or not a run's)."""
+    config = tok_path.parent / "config.toml"
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        return str(tomllib.loads(config.read_text()).get("data", {}).get("eos_token", ""))
+    except (OSError, ValueError):
+        return ""
+
+
 @torch.no_grad()
 def sample(model: Llama, ids: list[int], max_new_tokens: int, temperature: float, top_k: int,
            generator: torch.Generator, stop_id: int | None = None) -> list[int]:
@@ -65,8 +78,9 @@ def run(a: argparse.Namespace) -> int:
     if a.temperature < 0:
         raise LowbitError(f"--temperature: must be >= 0, got {a.temperature}")
     model, tok_path, info = load_trained(a.run_dir)
-    tok = load_tokenizer(tok_path)
-    eos = eos_id(tok)
+    name = run_eos_token(tok_path)
+    tok = load_tokenizer(tok_path, name)
+    eos = eos_id(tok, name)
     ids = tok.encode(a.prompt).ids if a.prompt else [eos]
     g = torch.Generator().manual_seed(a.seed)
     out = sample(model, ids, a.max_new_tokens, a.temperature, a.top_k, g, stop_id=eos)

@@ -61,9 +61,13 @@ class DataConfig:
     vocab_size: int = opt(4096, "vocabulary of a newly trained tokenizer")
     field: str = opt("text", "JSON field holding the text in .jsonl inputs")
     column: str = opt("text", "column holding the text in .parquet inputs")
-    val_fraction: float = opt(0.005, "fraction of documents held out for validation when preparing")
+    val_fraction: float | None = opt(None, "fraction of documents held out for validation when preparing; "
+                                           "unset: 0.1 of the built-in corpus, 0.005 of others")
+    eos_token: str = opt("", "end-of-document token of data.tokenizer; empty: <|endoftext|>, </s> or <eos>")
     seq_len: int = opt(128, "tokens per training sequence")
     cache_dir: str = opt("", "where prepared datasets are cached; empty: $LOWBIT_CACHE or ~/.cache/lowbit")
+    stream: bool = opt(False, "tokenize data.path as training reads it (HF datasets streaming; local files or a Hub "
+                              "dataset owner/name[:config]) instead of preparing shards; needs data.tokenizer")
     verify: bool = opt(True, "check shard checksums against meta.json at start")
 
 
@@ -172,6 +176,8 @@ class RunConfig:
     resume: bool = opt(False, "continue from the newest good checkpoint in run.dir")
     device: str = opt("auto", "auto | cpu | cuda | cuda:N")
     tensorboard: bool = opt(False, "also write TensorBoard event files to run.dir/tensorboard")
+    wandb: bool = opt(False, "also log to Weights & Biases (pip install wandb; WANDB_MODE=offline: no account)")
+    wandb_project: str = opt("lowbit", "the W&B project of run.wandb")
     plot: bool = opt(True, "write loss.png at the end of the run")
 
 
@@ -362,7 +368,7 @@ def validate(cfg: Config) -> None:
             raise LowbitError(f"{key}: must be >= 0, got {get(cfg, key)}")
     if not 0 <= cfg.model.dropout < 1:
         raise LowbitError(f"model.dropout: must be in [0, 1), got {cfg.model.dropout}")
-    if not 0 <= cfg.data.val_fraction < 1:
+    if cfg.data.val_fraction is not None and not 0 <= cfg.data.val_fraction < 1:
         raise LowbitError(f"data.val_fraction: must be in [0, 1), got {cfg.data.val_fraction}")
     if not (0 <= cfg.train.beta1 < 1 and 0 <= cfg.train.beta2 < 1):
         raise LowbitError("train.beta1/train.beta2: must be in [0, 1)")

@@ -11,13 +11,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lowbit.data import Loader, TokenDataset, resolve_dataset, val_batches
+from lowbit.data.stream import StreamData, StreamLoader, stream_inputs
 from lowbit.distributed.mesh import lead_first
 from lowbit.errors import LowbitError
 from lowbit.models.llama import ModelArgs, resolve_model_args
 from lowbit.train import checkpoint as ckpt
 from lowbit.train.config import Config, to_toml
 from lowbit.train.init_from import RESUMABLE_CHANGES, InitSource, check_init
-from lowbit.train.metrics import check_tensorboard, warn
+from lowbit.train.metrics import check_tensorboard, check_wandb, warn
 
 
 
@@ -26,9 +27,9 @@ class Inputs:
     """What the checks found: the data, the model shape, the batches, the checkpoint to resume and its state."""
 
     data_path: Path
-    dataset: TokenDataset
+    dataset: TokenDataset | StreamData
     args: ModelArgs
-    loader: Loader
+    loader: Loader | StreamLoader
     val_data: list
     resume_from: Path | None
     resumed: tuple | None  # (state, info) of resume_from, loaded
@@ -39,32 +40,60 @@ class Inputs:
 def check_inputs(cfg: Config, mesh, recipe) -> Inputs:
     """Check every input, then prepare the run directory (the first write)."""
     run_dir, lead = Path(cfg.run.dir), mesh.rank == 0
-    data_path = lead_first(mesh, lambda: resolve_dataset(
-        cfg.data.path, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size, field=cfg.data.field,
-        column=cfg.data.column, val_fraction=cfg.data.val_fraction, cache_dir=cfg.data.cache_dir or None))
-    dataset = TokenDataset(data_path, tokenizer=cfg.data.tokenizer, verify=cfg.data.verify)
+    if cfg.run.wandb:
+        check_wandb()
+    if cfg.data.stream:
+        data_path, dataset, loader, val_data = _stream(cfg, mesh)
+    else:
+        data_path, dataset, loader, val_data = _prepared(cfg, mesh, lead)
     args = resolve_model_args(cfg.model, vocab_size=dataset.vocab_size, seq_len=cfg.data.seq_len)
-    t = cfg.train
-    loader = Loader(dataset.split("train"), cfg.data.seq_len, t.batch_size, seed=t.seed,
-                    dp_rank=mesh.replica[0], dp_size=mesh.replica[1])
-    val_data = _validation_batches(cfg, dataset, data_path, lead)
     resume_from = ckpt.find_resumable(run_dir) if cfg.run.resume else None
     resumed = None
     if resume_from is not None:
         resumed = ckpt.load_state(resume_from)
         check_resumable(resume_from, resumed[1], dataset, data_path, args, recipe)
+        if cfg.data.stream and "stream" not in resumed[1].get("data_position", {}):
+            raise LowbitError(f"run.resume: checkpoint {resume_from} was not trained with data.stream (it holds "
+                              f"no stream position)")
     init = check_init(cfg.model.init_from, args, dataset.meta["tokenizer_hash"]) \
         if cfg.model.init_from and resumed is None else None
     if cfg.run.tensorboard:
         check_tensorboard()
+
     config_text = to_toml(cfg)  # a value TOML cannot hold fails here, before the run dir exists
     lead_first(mesh, lambda: prepare_run_dir(run_dir, cfg.run.resume) if lead else None)
     return Inputs(data_path, dataset, args, loader, val_data, resume_from, resumed, config_text, init)
 
 
+def _prepared(cfg: Config, mesh, lead: bool) -> tuple:
+    """A prepared dataset (raw data prepared into the cache first), its loader and validation batches."""
+    data_path = lead_first(mesh, lambda: resolve_dataset(
+        cfg.data.path, tokenizer=cfg.data.tokenizer, vocab_size=cfg.data.vocab_size, field=cfg.data.field,
+        column=cfg.data.column, val_fraction=cfg.data.val_fraction, cache_dir=cfg.data.cache_dir or None,
+        eos_token=cfg.data.eos_token))
+    dataset = TokenDataset(data_path, tokenizer=cfg.data.tokenizer, verify=cfg.data.verify)
+    t = cfg.train
+    loader = Loader(dataset.split("train"), cfg.data.seq_len, t.batch_size, seed=t.seed,
+                    dp_rank=mesh.replica[0], dp_size=mesh.replica[1])
+    return data_path, dataset, loader, _validation_batches(cfg, dataset, data_path, lead)
+
+
+def _stream(cfg: Config, mesh) -> tuple:
+    """data.stream: documents tokenized as read; validation is the stream's first eval_batches x batch_size
+    windows, scored one micro-batch at a time."""
+    d, t = cfg.data, cfg.train
+    if not d.path:
+        raise LowbitError("data.stream needs data.path: files or a Hub dataset to stream")
+    dataset = StreamData(d.path, d.tokenizer, d.eos_token)
+    micro = t.micro_batch_size or t.batch_size
+    loader, val_data = stream_inputs(dataset, d.path, d.seq_len, t.batch_size, t.eval_batches * t.batch_size,
+                                     micro, d.field, d.column, dp_rank=mesh.replica[0], dp_size=mesh.replica[1])
+    return Path(d.path), dataset, loader, val_data
+
+
 def _validation_batches(cfg: Config, dataset: TokenDataset, data_path: Path, lead: bool) -> list:
-    """The validation set is the first eval_batches x batch_size windows whatever the micro-batch size (a memory
-    knob must not change what the loss is measured on), scored one micro-batch at a time."""
+    """The validation set is eval_batches x batch_size windows spread over the split whatever the micro-batch size
+    (a memory knob must not change what the loss is measured on), scored one micro-batch at a time."""
     t = cfg.train
     val_split = dataset.split("val")
     micro = t.micro_batch_size or t.batch_size
@@ -114,7 +143,7 @@ def prepare_run_dir(run_dir: Path, resume: bool) -> None:
 
 
 RUN_FILES = {"config.toml": False, "tokenizer.json": False, "metrics.jsonl": False, "summary.json": False,
-             "loss.png": False, "memory.json": False, "checkpoints": True}  # name: whether it is a directory
+             "loss.png": False, "memory.json": False, "checkpoints": True, "wandb": True}  # name: whether it is a directory
 
 
 def this_rank(x, y, positions):

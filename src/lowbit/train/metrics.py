@@ -1,10 +1,15 @@
 """Where a run reports: RUN_DIR/metrics.jsonl (one JSON object per line), a progress line on stdout, optional
-TensorBoard event files, and loss.png at the end."""
+trackers (TensorBoard event files, a Weights & Biases run), and loss.png at the end.
+
+The trackers get every number of every record, nested ones flattened into tags (`numerics/<layer>/<operand>/
+<stat>`, `optim_states/<moment>/<stat>`), and the memory report (`memory/<scope>/bytes_per_param/<category>`), which
+metrics.jsonl leaves to memory.json."""
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 from pathlib import Path
 
@@ -35,6 +40,28 @@ def check_tensorboard() -> None:
             from None
 
 
+def check_wandb() -> None:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise LowbitError("run.wandb: the wandb package is not installed (pip install wandb)") from None
+
+
+def flatten(record: dict, prefix: str = "") -> dict[str, float]:
+    """The numbers of a (nested) record as {tag: value}: top-level ones under train/ or val/, nested ones under
+    their path of keys. Strings and nulls are left out."""
+    out = {}
+    for k, v in record.items():
+        if k == "step" and not prefix:
+            continue
+        if isinstance(v, dict):
+            out.update(flatten(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and v is not None:
+            tag = f"{prefix}{k}" if prefix else ("val/" if k.startswith("val") else "train/") + k
+            out[tag] = float(v)
+    return out
+
+
 def _record(line: str) -> dict | None:
     try:
         r = json.loads(line)
@@ -62,23 +89,36 @@ def truncate_after(path: Path, step: int) -> None:
 
 
 class Metrics:
-    def __init__(self, run_dir: Path, tensorboard: bool):
+    def __init__(self, run_dir: Path, tensorboard: bool, wandb: dict | None = None):
+        """`wandb`: None, or the W&B run's settings: {"project", "config"}."""
         self.path = run_dir / "metrics.jsonl"
         self.file = open(self.path, "a")
-        self.tb = None
+        self.tb = self.wandb = None
         if tensorboard:
             check_tensorboard()
             from torch.utils.tensorboard import SummaryWriter
 
             self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+        if wandb is not None:
+            self.wandb = _start_wandb(run_dir, **wandb)
 
     def log(self, record: dict) -> None:
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        self.track(record)
+
+    def track(self, record: dict) -> None:
+        """The record's numbers to the trackers only (not metrics.jsonl)."""
+        scalars = flatten(record)
+        if not scalars:
+            return
         if self.tb is not None:
-            for k, v in record.items():
-                if k != "step" and isinstance(v, (int, float)):
-                    self.tb.add_scalar(("val/" if k.startswith("val") else "train/") + k, v, record["step"])
+            for tag, v in scalars.items():
+                self.tb.add_scalar(tag, v, record["step"])
+        if self.wandb is not None:
+            # logged against "step" as a value, not W&B's own step counter: resumed and rolled-back runs log
+            # earlier steps again, which W&B's counter would drop
+            self.wandb.log({"step": record["step"], **scalars})
 
     def truncate_after(self, step: int) -> None:
         """Drop the records of steps after `step` (a rollback redoes them); keeps logging to the file."""
@@ -90,6 +130,30 @@ class Metrics:
         self.file.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def _start_wandb(run_dir: Path, project: str, config: dict):
+    """A W&B run whose files live in RUN_DIR/wandb; a resumed lowbit run continues the same W&B run (its id is
+    kept in RUN_DIR/wandb/run_id). Offline or online as W&B's own settings say (WANDB_MODE)."""
+    check_wandb()
+    import wandb
+
+    (run_dir / "wandb").mkdir(exist_ok=True)
+    id_file = run_dir / "wandb" / "run_id"
+    run_id = id_file.read_text().strip() if id_file.is_file() else secrets.token_hex(4)
+    id_file.write_text(run_id + "\n")
+    try:
+        run = wandb.init(project=project, name=run_dir.resolve().name, id=run_id, resume="allow",
+                         dir=str(run_dir), config=config,
+                         settings=wandb.Settings(silent=True, console="off"))  # stdout stays lowbit's
+    except Exception as e:  # noqa: BLE001 - login, network or settings: the user's to fix, said on one line
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise LowbitError(f"run.wandb: W&B did not start ({first}); WANDB_MODE=offline logs without an account") \
+            from None
+    run.define_metric("*", step_metric="step")
+    return run
 
 
 def progress_line(step: int, steps: int, loss: float, lr: float, tokens_per_s: float, mfu: float | None,

@@ -36,12 +36,12 @@ def _set_rng_state(state: dict, device: torch.device) -> None:
 
 def save_checkpoint(run: Run, step: int) -> Path:
     """Checkpoint `step` of the live run (every process its pieces); returns its directory."""
-    inputs, t, mesh = run.inputs, run.cfg.train, run.mesh
+    inputs, mesh = run.inputs, run.mesh
     state = {"optimizer": run.optimizer.hyper(), "scheduler": run.scheduler.state_dict(),
              "rng": _rng_state(run.device), "grad_sync": run.par.grad_sync.state_dict()}
-    # The loader position is the step: the data order is a pure function of (seed, step).
-    info = {"step": step, "tokens_seen": run.tokens_seen, "data_position": {"batch": step, "seed": t.seed,
-                                                                            "epoch": inputs.loader.epoch_of(step)},
+    # Prepared data: the position is the step (the order is a pure function of (seed, step)); a stream's
+    # position is where its next window starts.
+    info = {"step": step, "tokens_seen": run.tokens_seen, "data_position": inputs.loader.position(step),
             "model_args": dataclasses.asdict(inputs.args),
             "tokenizer_hash": inputs.dataset.meta["tokenizer_hash"], "recipe": run.recipe.name,
             "config": to_dict(run.cfg), "dataset": str(inputs.data_path), "layout": dict(mesh.sizes)}
@@ -72,6 +72,7 @@ def restore(run: Run, path: Path, loaded) -> tuple[int, int]:
     if "grad_sync" in state:
         run.par.grad_sync.load_state_dict(state["grad_sync"])
     _set_rng_state(state["rng"], run.device)
+    run.inputs.loader.seek(info.get("data_position") or {"batch": info["step"]})
     return info["step"], info["tokens_seen"]
 
 

@@ -118,6 +118,7 @@ def _after_update(run: Run, finite: bool) -> None:
         report = memory_report(run.optimizer)
         if run.lead:
             (run.run_dir / "memory.json").write_text(json.dumps(report, indent=1))
+        run.metrics.track({"step": run.step, "memory": report})  # TensorBoard / W&B: memory.json's numbers
         run.say(format_report(report), flush=True)
         run.memory_reported = True
     run.optimizer.zero_grad(set_to_none=True)

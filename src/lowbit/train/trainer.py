@@ -26,7 +26,7 @@ from lowbit.numerics.linear import LowPrecisionLinear
 from lowbit.numerics.recipes import convert, param_groups
 from lowbit.optim import LowbitAdamW, StatePrecision, lr_lambda
 from lowbit.train.compile import compile_model
-from lowbit.train.config import Config
+from lowbit.train.config import Config, to_dict
 from lowbit.train.plan import resolve_recipe
 from lowbit.train.init_from import load_init
 from lowbit.train.inputs import check_inputs, this_rank
@@ -102,6 +102,9 @@ class _Silent:
     """Metrics of a rank other than 0: rank 0 writes for everyone."""
 
     def log(self, record: dict) -> None:
+        pass
+
+    def track(self, record: dict) -> None:
         pass
 
     def truncate_after(self, step: int) -> None:
@@ -200,7 +203,8 @@ def _open(run: Run) -> None:
     if run.lead:
         (run.run_dir / "config.toml").write_text(run.inputs.config_text)
         shutil.copyfile(run.inputs.dataset.tokenizer_path, run.run_dir / "tokenizer.json")
-    run.metrics = Metrics(run.run_dir, cfg.run.tensorboard) if run.lead else _Silent()
+    wandb = {"project": cfg.run.wandb_project, "config": to_dict(cfg)} if cfg.run.wandb else None
+    run.metrics = Metrics(run.run_dir, cfg.run.tensorboard, wandb) if run.lead else _Silent()
     # Optimizer-state telemetry: the lead rank's own states only (ZeRO: its share; pipeline: its stage's), no
     # collectives, so the other ranks skip it.
     run.param_names = {p: name for name, p in run.model.named_parameters()} if run.lead else None
