@@ -61,12 +61,13 @@ MULTI = "the command writes JSON lines and markdown tables; their rows are copie
 STEPS: tuple[Step, ...] = (
     Step("goals", "where the goals stand", (), ("goals.json",), 0,
          by_hand="a summary of the other tables' numbers, edited by hand after a run"),
-    Step("optim-7b", "the 7b optimizer step alone, compiled passes beside the Triton kernels",
-         (bench("optim --preset 7b --steps 10 --warmup 3 --update both --recipes fp8lm-o2,fp8lm-o3,fp4",
+    Step("optim-7b", "the 7b optimizer step alone, compiled passes beside the Triton kernels, with bounded scales",
+         (bench("optim --preset 7b --steps 10 --warmup 3 --update both --recipes fp8lm-o2,fp8lm-o3,fp4,"
+                "fp8lm-o2+optim.scales=bound,fp8lm-o3+optim.scales=bound,fp4+optim.scales=bound",
                 "optim_7b_{dev}.json"),), ("optim_7b_{dev}.json",)),
     Step("step-7b", "the 7b training step, 4 x 2048, beside bf16 and torchao",
-         (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes bf16,fp8-tensorwise,fp8lm-o2 "
-                "--torchao tensorwise", "step_7b_{dev}.json"),), ("step_7b_{dev}.json",)),
+         (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes bf16,fp8-tensorwise,fp8lm-o2,"
+                "fp8lm-o2+optim.scales=bound --torchao tensorwise", "step_7b_{dev}.json"),), ("step_7b_{dev}.json",)),
     Step("build-7b", "building the 7b model (the build s column)",
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes fp8-tensorwise,fp8lm-o2 "
                 "--no-bf16 --torchao none", "step_7b_build_{dev}.json"),), ("step_7b_build_{dev}.json",)),
@@ -119,7 +120,7 @@ STEPS: tuple[Step, ...] = (
          ("performer_{dev}.json",)),
     Step("optim-cpu", "the update of one 4096x11008 weight on the CPU",
          (bench("optim --device cpu --shape 4096x11008 --steps 5 --torchao none "
-                "--recipes fp8lm-o2,fp8lm-o3,nanotron-r2,fp4,fp8lm-o2+optim.weights=bf16",
+                "--recipes fp8lm-o2,fp8lm-o3,nanotron-r2,fp4,fp8lm-o2+optim.weights=bf16,fp8lm-o2+optim.scales=bound",
                 "optim_4096x11008_{dev}.json"),), ("optim_4096x11008_{dev}.json",), 0),
     Step("comm-bytes", "bytes on the wire per step by layout (4 gloo processes on the CPU)",
          ("python3 benchmarks/comm_bytes.py --out {out}/comm_bytes_{dev}.json",), ("comm_bytes_{dev}.json",), 0),

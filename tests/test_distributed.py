@@ -506,7 +506,10 @@ def test_fsdp_reduces_gradients_in_bf16(single, tmp_path):
                                                                  r], cache)) for r in ("fp32", "bf16"))
     base = losses(base_dir)
     assert bf16[1] == fp32[1]  # the first loss comes before any exchange
-    assert bf16[3] != fp32[3] and abs(bf16[3] - base[3]) <= 1e-3 * abs(base[3]), (bf16, fp32, base)
+    # a loss after an exchange may round to the fp32 run's by chance (a float32 of ~8.3 has 2^-20 steps): any one
+    # of them apart shows the exchange ran in bf16
+    assert any(bf16[s] != fp32[s] for s in (2, 3)), (bf16, fp32)
+    assert all(abs(bf16[s] - base[s]) <= 1e-3 * abs(base[s]) for s in (2, 3)), (bf16, fp32, base)
 
 
 FP8TW = ["--recipe", "fp8-tensorwise"]
