@@ -735,3 +735,62 @@ def test_a_pipeline_with_fewer_micro_batches_than_stages_is_refused_on_one_line(
     assert mesh.micro_batch(load_config(None, args), 6) == 3  # the default: one micro-batch per stage
     with pytest.raises(LowbitError, match="raise train.batch_size to 2"):
         load_config(None, ["--model.tie_embeddings", "false", "--parallel.pp", "2", "--train.batch_size", "1"])
+
+
+def _dropout_on_replicas(rank, world, dim, dropout):
+    """This rank's init, loss and gradients on the same batch as every other rank, drawn in the trainer's dropout
+    stream, and the shared stream's state after it."""
+    from types import SimpleNamespace
+
+    from lowbit.distributed.mesh import init_mesh, shutdown
+    from lowbit.models.llama import ModelArgs
+    from lowbit.train.config import Config
+    from lowbit.train.step import dropout_stream
+    from lowbit.train.trainer import build_model
+
+    cfg = Config()
+    setattr(cfg.parallel, dim, world)
+    device = torch.device("cpu")
+    mesh = init_mesh(cfg.parallel, device)
+    args = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=176, vocab_size=320, max_seq_len=32,
+                     dropout=dropout)
+    model = build_model(args, 7, device)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.arange(64).reshape(2, 32) % 320
+    run = SimpleNamespace(inputs=SimpleNamespace(args=args), device=device, mesh=mesh,
+                          cfg=SimpleNamespace(train=SimpleNamespace(seed=7)), step=1)
+    with dropout_stream(run):
+        loss = model(x, x.roll(-1, 1))
+        loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    shutdown()
+    return mesh.replica[0], init, loss.item(), grads, torch.get_rng_state()
+
+
+@pytest.mark.parametrize("dim", ["dp", "dp_shard"])
+@pytest.mark.slow
+def test_dropout_masks_differ_across_replicas(dim):
+    """Same init and same batch on both replicas: with dropout their local losses and gradients (before any
+    all-reduce) differ, without it they are equal; the run's own random stream stays alike on both."""
+    for dropout in (0.0, 0.3):
+        (r0, init0, loss0, g0, rng0), (r1, init1, loss1, g1, rng1) = spawn(2, _dropout_on_replicas, dim, dropout)
+        assert (r0, r1) == (0, 1)
+        assert all(torch.equal(init0[k], init1[k]) for k in init0)  # parameter initialization ignores the rank
+        assert torch.equal(rng0, rng1)
+        same = loss0 == loss1 and all(torch.equal(g0[n], g1[n]) for n in g0)
+        assert same == (dropout == 0.0), (dropout, loss0, loss1)
+
+
+@pytest.mark.slow
+def test_dropout_data_parallel_run_resumes_bit_for_bit(single, tmp_path):
+    """dp2 with dropout, stopped at step 2 and resumed, gives the uninterrupted run's losses and weights
+    exactly."""
+    _, cache = single
+    extra = ["--parallel.dp", "2", "--model.dropout", "0.3"]
+    whole, parts = tmp_path / "whole", tmp_path / "parts"
+    spawn(2, _train, str(whole), extra, cache)
+    spawn(2, _train, str(parts), [*extra, "--train.stop_at", "2"], cache)
+    spawn(2, _train, str(parts), [*extra, "--run.resume"], cache)
+    assert losses(whole) == losses(parts)
+    w0, w1 = _weights_after_training(whole), _weights_after_training(parts)
+    assert all(torch.equal(w0[k], w1[k]) for k in w0)

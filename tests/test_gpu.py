@@ -728,3 +728,32 @@ def test_fused_swiglu_linear_is_the_unfused_mlp_tail_bit_for_bit_on_gpu():
     assert all(torch.equal(u, f) for u, f in zip(out[0], out[1]))
     for u, c in zip(out[0], out[2]):
         assert (u.float() - c.float()).norm() <= 0.02 * u.float().norm()
+
+
+def test_dropout_stream_on_gpu_is_per_replica_and_leaves_the_run_stream_alone():
+    """The trainer's dropout stream on CUDA: the same (replica, step) draws the same masks, another replica other
+    masks, and the device's own random state comes back as it was."""
+    from types import SimpleNamespace
+
+    from lowbit.distributed.mesh import DIMS, Mesh
+    from lowbit.train.step import dropout_stream
+
+    args = ModelArgs(dim=256, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=704, vocab_size=512, max_seq_len=256,
+                     dropout=0.2)
+    torch.manual_seed(0)
+    model = Llama(args).cuda()
+    x = torch.randint(0, 512, (2, 256), device="cuda")
+
+    def loss_on(replica):
+        mesh = Mesh({d: 2 if d == "dp" else 1 for d in DIMS}, {d: replica if d == "dp" else 0 for d in DIMS})
+        device = torch.device("cuda", torch.cuda.current_device())
+        run = SimpleNamespace(inputs=SimpleNamespace(args=args), device=device, mesh=mesh,
+                              cfg=SimpleNamespace(train=SimpleNamespace(seed=0)), step=3)
+        before = torch.cuda.get_rng_state()
+        with dropout_stream(run), torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, x).item()
+        assert torch.equal(torch.cuda.get_rng_state(), before)
+        return loss
+
+    first, again, other = loss_on(0), loss_on(0), loss_on(1)
+    assert first == again and first != other, (first, again, other)

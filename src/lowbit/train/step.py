@@ -6,6 +6,7 @@ row roll back to the newest good checkpoint."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import math
 from dataclasses import dataclass
@@ -49,7 +50,8 @@ def train_step(run: Run) -> StepResult:
     run_mode = eager if telemetry and t.compile else contextlib.nullcontext
     _reset_traffic(run)
     x, y = this_rank(x, y, run.par.positions)  # this rank's shard of every sequence (parallel.cp_layout)
-    loss_sum = _forward_backward(run, x, y, run_mode)
+    with dropout_stream(run):
+        loss_sum = _forward_backward(run, x, y, run_mode)
     for layer in run.lp_layers.values():
         layer.telemetry_armed = False
     if run.par.sequence_parallel:
@@ -69,6 +71,34 @@ def train_step(run: Run) -> StepResult:
         return result
     run.tokens_seen += run.tokens_per_step
     return result
+
+
+@contextlib.contextmanager
+def dropout_stream(run: Run):
+    """The forward and backward's random stream while dropout is on: its own per replica and step
+    (`dropout_seed`), forked from the run's stream, which comes back untouched afterwards. That shared stream
+    stays alike on every replica, as the optimizer's stochastic rounding of replicated weights needs, and it is
+    what a checkpoint keeps (rank 0's)."""
+    if not run.inputs.args.dropout:
+        yield
+        return
+    cuda = run.device.type == "cuda"
+    with torch.random.fork_rng(devices=[run.device] if cuda else []):
+        seed = dropout_seed(run.cfg.train.seed, run.mesh.replica[0], run.step)
+        torch.default_generator.manual_seed(seed)
+        if cuda:  # this process's device only: the others are other ranks'
+            with torch.cuda.device(run.device):
+                torch.cuda.manual_seed(seed)
+        yield
+
+
+def dropout_seed(seed: int, replica: int, step: int) -> int:
+    """The seed of step `step`'s dropout masks on data-parallel replica `replica`: each replica its own stream
+    (one shared seed would drop the same units of every replica's batch), and a function of the step rather than
+    a running generator, so that a resumed or rolled-back run draws the masks the uninterrupted one drew, on
+    every rank. Ranks of one replica (pipeline stages) share it; they hold different layers."""
+    digest = hashlib.sha256(f"dropout/{seed}/{replica}/{step}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # manual_seed takes a non-negative 63-bit value
 
 
 def _reset_traffic(run: Run) -> None:
