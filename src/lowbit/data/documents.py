@@ -8,6 +8,7 @@ that decodes to replacement characters (binary data, a wrong codec), is refused 
 from __future__ import annotations
 
 import bz2
+import contextlib
 import gzip
 import io
 import json
@@ -100,16 +101,22 @@ def _corrupt(f: Path, e: Exception) -> LowbitError:
     return LowbitError(f"{f} is not {what}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
 
 
-def _read_bytes(f: Path) -> bytes:
+@contextlib.contextmanager
+def _damaged_as_error(f: Path):
+    """A decompressor's failure inside the block as one line naming `f` (a damaged input), else as raised."""
     try:
-        with open_binary(f) as fh:
-            return fh.read()
+        yield
     except LowbitError:
         raise
     except Exception as e:  # noqa: BLE001 - any decompressor failure is a damaged input
         if not kind_of(f)[1] and not isinstance(e, _CORRUPT):
             raise
         raise _corrupt(f, e) from None
+
+
+def _read_bytes(f: Path) -> bytes:
+    with _damaged_as_error(f), open_binary(f) as fh:
+        return fh.read()
 
 
 def _too_many_bad(bad: int, size: int) -> bool:
@@ -182,15 +189,8 @@ def _read_jsonl(f: Path, field: str) -> Iterator[str]:
 
 
 def _binary_lines(f: Path) -> Iterator[tuple[int, bytes]]:
-    try:
-        with open_binary(f) as fh:
-            yield from enumerate(fh, 1)
-    except LowbitError:
-        raise
-    except Exception as e:  # noqa: BLE001 - any decompressor failure is a damaged input
-        if not kind_of(f)[1] and not isinstance(e, _CORRUPT):
-            raise
-        raise _corrupt(f, e) from None
+    with _damaged_as_error(f), open_binary(f) as fh:
+        yield from enumerate(fh, 1)
 
 
 def _record_text(f: Path, lineno: int, line: str, field: str) -> str | None:
