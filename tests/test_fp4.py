@@ -277,7 +277,8 @@ def test_fp4_ablations_train(recipe, tmp_path, capsys):
 
     from conftest import SMALL, cli, losses
 
-    code, _, err = cli(capsys, "train", *SMALL, "--recipe", recipe, "--train.steps", "6", "--run.dir", tmp_path)
+    code, _, err = cli(capsys, "train", *SMALL, "--recipe", recipe, "--train.steps", "6", "--train.lr", "1e-2",
+                         "--run.dir", tmp_path)
     assert code == 0, err
     run = losses(tmp_path)
     assert all(math.isfinite(v) for v in run.values()) and run[6] < run[1]

@@ -381,7 +381,8 @@ def test_recipe_needing_clipping_refuses_to_run_without(capsys, tmp_path):
 def test_other_fp8lm_levels_train(recipe, tmp_path, capsys):
     from conftest import SMALL, cli, losses
 
-    code, out, err = cli(capsys, "train", *SMALL, "--recipe", recipe, "--train.steps", "6", "--run.dir", tmp_path)
+    code, out, err = cli(capsys, "train", *SMALL, "--recipe", recipe, "--train.steps", "6", "--train.lr", "1e-2",
+                         "--run.dir", tmp_path)
     assert code == 0, err
     run = losses(tmp_path)
     assert all(math.isfinite(v) for v in run.values()) and run[6] < run[1]

@@ -356,7 +356,8 @@ def validate(cfg: Config) -> None:
     choices = dict(CHOICES, **{"model.preset": tuple(PRESETS)})
     for key, allowed in choices.items():
         if get(cfg, key) not in allowed:
-            raise LowbitError(f"{key}: {get(cfg, key)!r} is not one of {', '.join(a or '(empty)' for a in allowed)}")
+            shown = ", ".join(str(a) if a != "" else "(empty)" for a in allowed)
+            raise LowbitError(f"{key}: {get(cfg, key)!r} is not one of {shown}")
     if cfg.recipe not in RECIPES:
         raise LowbitError(f"recipe: {cfg.recipe!r} is not one of {', '.join(RECIPES)}")
     for key in POSITIVE:
