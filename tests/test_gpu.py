@@ -414,11 +414,16 @@ def test_triton_quantization_is_the_torch_formula_bit_for_bit(case, fmt, dtype, 
     ("bf16", "fp32", "bf16", "fp32", "e4m3"),
 ])
 @pytest.mark.parametrize("scales", ["amax", "bound"])
-def test_triton_update_writes_what_the_compiled_update_writes(weights, master, grads, m, v, scales, monkeypatch):
+@pytest.mark.parametrize("fast", [False, True])
+def test_triton_update_writes_what_the_compiled_update_writes(weights, master, grads, m, v, scales, fast,
+                                                              monkeypatch):
     """The Triton update (optim/update_kernel.py) against the compiled torch passes, one step from the same
     states: the same scales, and every stored value the same or its neighbour in its format (the two differ only
-    in how fp32 products are rounded and fused), or apart by less than an fp32 rounding of the terms."""
+    in how fp32 products are rounded and fused, and with `fast` in the weight step's approximate sqrt and
+    division), or apart by less than an fp32 rounding of the terms."""
     from lowbit.optim import LowbitAdamW, StatePrecision, update_kernel
+
+    monkeypatch.setattr(update_kernel, "FAST", fast)
 
     prec = StatePrecision(weights=weights, master=master, grads=grads, exp_avg=m, exp_avg_sq=v, scales=scales)
     calls = []

@@ -32,6 +32,7 @@ from lowbit.optim.state_bounds import bound_table
 
 ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program (pass one), warps per program
+FAST = False  # approximate sqrt and division in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 
 if triton is not None:
     import triton.language as tl
@@ -52,7 +53,7 @@ if triton is not None:
     @triton.jit
     def _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2,
                eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-               W_SCALED: tl.constexpr):
+               W_SCALED: tl.constexpr, FAST: tl.constexpr = False):
         """adamw._fresh: the new moments and weights in fp32 (lerp with weight < 0.5 as torch computes it).
         ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
         g = _load(g_ptr, offs, mask, ig, G_SCALED)
@@ -61,8 +62,12 @@ if triton is not None:
         v = _load(v_ptr, offs, mask, iv, V_SCALED) * beta2
         v = v + (w2 * g) * g
         w = _load(w_ptr, offs, mask, iw, W_SCALED) * (1.0 - lr * wd)
-        denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps
-        w = w - tl.math.div_rn(step_size * m, denom)
+        if FAST:  # approximate square root and division (2 ulp): the weight's step only, m and v are unchanged
+            denom = tl.fdiv(tl.sqrt(v), bc2) + eps
+            w = w - tl.fdiv(step_size * m, denom)
+        else:
+            denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps
+            w = w - tl.math.div_rn(step_size * m, denom)
         return m, v, w
 
     @triton.jit
@@ -80,7 +85,8 @@ if triton is not None:
     @triton.jit
     def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
-                     V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                     V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                     FAST: tl.constexpr):
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
@@ -90,7 +96,7 @@ if triton is not None:
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1,
-                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
+                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
             am = tl.maximum(am, _abs(m, mask))
             av = tl.maximum(av, _abs(v, mask))
             if W_SCALED:
@@ -125,7 +131,7 @@ if triton is not None:
     def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr,
                       buf_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                       V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
-                      W_MAX: tl.constexpr, WRITE_P: tl.constexpr, BLOCK: tl.constexpr):
+                      W_MAX: tl.constexpr, WRITE_P: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         ms, vs, ws = tl.load(ms_ptr), tl.load(vs_ptr), tl.load(ws_ptr)
         new_m, new_v, new_w = ms, vs, ws
@@ -139,7 +145,7 @@ if triton is not None:
         offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2,
-                         w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
+                         w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
         _store(m_ptr, offs, mask, m, new_m, M_SCALED, M_MAX)
         _store(v_ptr, offs, mask, v, new_v, V_SCALED, V_MAX)
         _store(w_ptr, offs, mask, w, new_w, W_SCALED, W_MAX)
@@ -152,23 +158,26 @@ if triton is not None:
 
 
     @triton.jit
-    def _put(ptr, offs, mask, x, scale, inv, SCALED: tl.constexpr, FMAX: tl.constexpr):
-        """_store, returning the magnitude of the value stored (decoded), for the record of the amaxes."""
+    def _put(ptr, offs, mask, x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
+        """_store, returning the magnitude of the value before rounding (scaled, clamped): rounding is monotonic,
+        so the largest stored value is the largest of these rounded once (`_rounded`)."""
         if SCALED:
             x = x * scale
             x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
-        q = x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne")
-        tl.store(ptr + offs, q, mask=mask)
-        y = q.to(tl.float32)
-        if SCALED:
-            y = y * inv
-        return _abs(y, mask)
+        tl.store(ptr + offs, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+        return _abs(x, mask)
+
+    @triton.jit
+    def _rounded(ptr, a, inv):
+        """The stored form of a magnitude `a` (in the state's scaled units), decoded; Inf (a NaN or Inf seen) kept."""
+        r = a.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32) * inv
+        return tl.where(a < float("inf"), r, a)
 
     @triton.jit
     def _once_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
                      W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr, W_MAX: tl.constexpr,
-                     WRITE_P: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+                     WRITE_P: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
         """The update in one pass (bounded scales): the states written with the scales at new_ptr (m, v, w), the
         amaxes of what is written reduced into buf[8:11] by atomic max."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
@@ -182,18 +191,21 @@ if triton is not None:
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1,
-                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED)
-            am = tl.maximum(am, _put(m_ptr, offs, mask, m, nm, inm, M_SCALED, M_MAX))
-            av = tl.maximum(av, _put(v_ptr, offs, mask, v, nv, inv, V_SCALED, V_MAX))
-            aw = tl.maximum(aw, _put(w_ptr, offs, mask, w, nw, inw, W_SCALED, W_MAX))
+                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
+            am = tl.maximum(am, _put(m_ptr, offs, mask, m, nm, M_SCALED, M_MAX))
+            av = tl.maximum(av, _put(v_ptr, offs, mask, v, nv, V_SCALED, V_MAX))
+            if W_SCALED:
+                aw = tl.maximum(aw, _put(w_ptr, offs, mask, w, nw, W_SCALED, W_MAX))
+            else:
+                _store(w_ptr, offs, mask, w, nw, W_SCALED, W_MAX)
             if WRITE_P:
                 _store(p_ptr, offs, mask, w, 1.0, False, 1.0)
         if M_SCALED:  # an unscaled state's record stays 0, as adamw's stored_amaxes gives it
-            tl.atomic_max(buf_ptr + 8, tl.max(am, axis=0))
+            tl.atomic_max(buf_ptr + 8, _rounded(m_ptr, tl.max(am, axis=0), inm))
         if V_SCALED:
-            tl.atomic_max(buf_ptr + 9, tl.max(av, axis=0))
+            tl.atomic_max(buf_ptr + 9, _rounded(v_ptr, tl.max(av, axis=0), inv))
         if W_SCALED:
-            tl.atomic_max(buf_ptr + 10, tl.max(aw, axis=0))
+            tl.atomic_max(buf_ptr + 10, _rounded(w_ptr, tl.max(aw, axis=0), inw))
 
 
 def _scaled(kind: str) -> bool:
@@ -241,7 +253,8 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
             consts = dict(G_SCALED=_scaled(g_kind), **flags, **maxes, WRITE_P=from_master and not own)
             if once:
                 _once_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, table[i], n, wd, **coef, **consts,
-                                                               BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS)
+                                                               BLOCK=BLOCK, ITERS=ITERS, FAST=FAST,
+                                                               num_warps=WARPS)
             else:
                 _two_passes(args, n, wd, coef, consts)
             for j, (name, s) in enumerate((("m", ms), ("v", vs), ("w", ws))):
@@ -262,9 +275,9 @@ def _two_passes(args, n: int, wd: float, coef: dict, consts: dict) -> None:
     if consts["M_SCALED"] or consts["V_SCALED"] or consts["W_SCALED"]:
         pass_one = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED")}
         _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](g, m, v, w, *scale_args, n, wd, **coef, **pass_one,
-                                                       BLOCK=BLOCK, ITERS=ITERS, num_warps=WARPS)
+                                                       BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, num_warps=WARPS)
     _write_kernel[(triton.cdiv(n, BLOCK),)](g, m, v, w, p, *scale_args, n, wd, **coef, **consts, BLOCK=BLOCK,
-                                            num_warps=WARPS)
+                                            FAST=FAST, num_warps=WARPS)
 
 
 def available() -> bool:

@@ -1,0 +1,89 @@
+"""The Triton optimizer update's launch shape and math, swept on a preset's parameters (a GPU).
+
+For each recipe, LowbitAdamW is built once as `lowbit bench optim` builds it; then each configuration of
+src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, approximate sqrt and division in
+the weight's step) times `step()` alone and ten steps back to back (the kernels' time when the host launches
+ahead). GB/s counts the bytes the update must move (bench optim's `update_bytes`). The configuration the library
+ships is the first row of each recipe.
+
+    python benchmarks/optim_kernel_sweep.py --preset 7b --out benchmarks/results/optim_kernel_sweep_7b_h100.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import time
+
+import torch
+
+from lowbit.optim import update_kernel
+from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, back_to_back_ms, device_name, release, time_ms, variants
+from lowbit.tools.bench.layers import preset_args
+from lowbit.tools.bench.optim import update_bytes
+from lowbit.tools.bench.step import build
+
+SHAPES = [(2048, 8, 8), (1024, 16, 4), (4096, 4, 8), (1024, 8, 4), (4096, 8, 16), (2048, 16, 8)]
+
+
+def fill(opt) -> int:
+    """A gradient for every parameter (into its store or p.grad); the bytes one update must move."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    moved = 0
+    for group in opt.param_groups:
+        for p in group["params"]:
+            grad = torch.randn(p.shape, device=p.device, generator=g).mul_(1e-3).to(p.dtype)
+            store = opt._grads.get(p)
+            if store is not None:
+                store.add(grad)
+            else:
+                p.grad = grad
+            moved += p.numel() * update_bytes(opt.precision_of(group))
+    return moved
+
+
+def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
+    (v,) = variants([recipe], [])
+    model, opt = build(preset_args(preset, 2048), v, torch.device("cuda"))
+    moved, rows = fill(opt), []
+    default = (update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST)
+    configs = [default] + [(*s, f) for s, f in itertools.product(SHAPES, (False, True)) if (*s, f) != default]
+    with update_kernel.forced(True):
+        for block, iters, warps, fast in configs:
+            update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST = \
+                block, iters, warps, fast
+            t0 = time.perf_counter()
+            opt.step()
+            first = time.perf_counter() - t0
+            alone = time_ms(opt.step, torch.device("cuda"), 5, 1)["ms"]
+            row = dict(recipe=recipe, block=block, iters=iters, warps=warps, fast=fast, ms=alone,
+                       ms_back_to_back=back_to_back_ms(opt.step, torch.device("cuda"), 10), first_step_s=first)
+            row["gb_per_s"] = moved / (row["ms_back_to_back"] / 1e3) / 1e9
+            if hbm:
+                row["hbm_pct"] = 100 * row["gb_per_s"] * 1e9 / hbm
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST = default
+    model = opt = None
+    release(torch.device("cuda"))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="7b")
+    ap.add_argument("--recipes", default="fp8lm-o2+optim.scales=bound,fp8lm-o2")
+    ap.add_argument("--out", required=True)
+    a = ap.parse_args()
+    name = device_name(torch.device("cuda"))
+    hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in name), None)
+    rows = [r for recipe in a.recipes.split(",") for r in sweep(recipe, a.preset, hbm)]
+    meta = dict(device=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), preset=a.preset,
+                command=f"python benchmarks/optim_kernel_sweep.py --preset {a.preset} --out {a.out}")
+    with open(a.out, "w") as f:
+        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
