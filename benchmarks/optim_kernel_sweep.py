@@ -53,6 +53,7 @@ def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
         for block, iters, warps, fast in configs:
             update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST = \
                 block, iters, warps, fast
+            opt._graphed.clear()  # the update's CUDA graph holds the kernels it captured: capture this config's
             t0 = time.perf_counter()
             opt.step()
             first = time.perf_counter() - t0
