@@ -21,32 +21,22 @@ import torch
 from lowbit.optim import update_kernel
 from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, back_to_back_ms, device_name, release, time_ms, variants
 from lowbit.tools.bench.layers import preset_args
-from lowbit.tools.bench.optim import update_bytes
+from lowbit.tools.bench.optim import fill_grads, update_bytes
 from lowbit.tools.bench.step import build
 
 SHAPES = [(2048, 8, 8), (1024, 16, 4), (4096, 4, 8), (1024, 8, 4), (4096, 8, 16), (2048, 16, 8)]
 
 
-def fill(opt) -> int:
-    """A gradient for every parameter (into its store or p.grad); the bytes one update must move."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    moved = 0
-    for group in opt.param_groups:
-        for p in group["params"]:
-            grad = torch.randn(p.shape, device=p.device, generator=g).mul_(1e-3).to(p.dtype)
-            store = opt._grads.get(p)
-            if store is not None:
-                store.add(grad)
-            else:
-                p.grad = grad
-            moved += p.numel() * update_bytes(opt.precision_of(group))
-    return moved
+def moved_bytes(opt) -> int:
+    """The bytes one update must move (bench optim's measure)."""
+    return sum(p.numel() * update_bytes(opt.precision_of(g)) for g in opt.param_groups for p in g["params"])
 
 
 def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
     (v,) = variants([recipe], [])
     model, opt = build(preset_args(preset, 2048), v, torch.device("cuda"))
-    moved, rows = fill(opt), []
+    fill_grads(opt)
+    moved, rows = moved_bytes(opt), []
     default = (update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST)
     configs = [default] + [(*s, f) for s, f in itertools.product(SHAPES, (False, True)) if (*s, f) != default]
     with update_kernel.forced(True):

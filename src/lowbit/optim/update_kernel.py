@@ -53,7 +53,7 @@ if triton is not None:
     @triton.jit
     def _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2,
                eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-               W_SCALED: tl.constexpr, FAST: tl.constexpr = False):
+               W_SCALED: tl.constexpr, FAST: tl.constexpr):
         """adamw._fresh: the new moments and weights in fp32 (lerp with weight < 0.5 as torch computes it).
         ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
         g = _load(g_ptr, offs, mask, ig, G_SCALED)
@@ -121,10 +121,16 @@ if triton is not None:
         return tl.where(good, s, old)
 
     @triton.jit
-    def _store(ptr, offs, mask, x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
+    def _in_range(x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
+        """A state in its stored units: scaled and clamped to the format's range (NaN kept)."""
         if SCALED:
             x = x * scale
             x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
+        return x
+
+    @triton.jit
+    def _store(ptr, offs, mask, x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
+        x = _in_range(x, scale, SCALED, FMAX)
         tl.store(ptr + offs, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
     @triton.jit
@@ -161,9 +167,7 @@ if triton is not None:
     def _put(ptr, offs, mask, x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
         """_store, returning the magnitude of the value before rounding (scaled, clamped): rounding is monotonic,
         so the largest stored value is the largest of these rounded once (`_rounded`)."""
-        if SCALED:
-            x = x * scale
-            x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
+        x = _in_range(x, scale, SCALED, FMAX)
         tl.store(ptr + offs, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
         return _abs(x, mask)
 
@@ -194,10 +198,7 @@ if triton is not None:
                              beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
             am = tl.maximum(am, _put(m_ptr, offs, mask, m, nm, M_SCALED, M_MAX))
             av = tl.maximum(av, _put(v_ptr, offs, mask, v, nv, V_SCALED, V_MAX))
-            if W_SCALED:
-                aw = tl.maximum(aw, _put(w_ptr, offs, mask, w, nw, W_SCALED, W_MAX))
-            else:
-                _store(w_ptr, offs, mask, w, nw, W_SCALED, W_MAX)
+            aw = tl.maximum(aw, _put(w_ptr, offs, mask, w, nw, W_SCALED, W_MAX))
             if WRITE_P:
                 _store(p_ptr, offs, mask, w, 1.0, False, 1.0)
         if M_SCALED:  # an unscaled state's record stays 0, as adamw's stored_amaxes gives it

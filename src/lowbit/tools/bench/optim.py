@@ -40,7 +40,7 @@ def _build(a, v, device):
     return build(a.model_args, v, device, OneWeight(*a.shape).to(device) if a.shape else None)
 
 
-def _fill_grads(opt) -> None:
+def fill_grads(opt) -> None:
     """A gradient for every parameter, delivered as the trainer's backward would: into its store or p.grad."""
     g = torch.Generator(device=opt.param_groups[0]["params"][0].device).manual_seed(0)
     for group in opt.param_groups:
@@ -80,7 +80,7 @@ def run_optim(a, device: torch.device, report: Report) -> None:
             model, opt = _build(a, v, device)
             if a.compile is not None:
                 opt._compile = a.compile
-            _fill_grads(opt)
+            fill_grads(opt)
             moved = covered = total = 0
             for group in opt.param_groups:
                 n = sum(p.numel() for p in group["params"])
