@@ -9,6 +9,7 @@
     python multi_gpu_report.py report RESULTS.jsonl...           a markdown table of every run
     python multi_gpu_report.py compare RESULTS.jsonl...          losses against the one-GPU runs; pipeline bubble
     python multi_gpu_report.py cp RESULTS.jsonl...               part f: context parallel layouts, longest sequence
+    python multi_gpu_report.py tables --out TABLES.json RAW...   BENCHMARKS.md's two-GPU tables (multi_gpu_tables.py)
 
 Nothing here changes what lowbit computes: the hooks only add device synchronisation and timers.
 """
@@ -258,18 +259,26 @@ def compare(paths: list[str]) -> dict:
         if a in runs and b in runs:
             out["loss_vs_one_gpu"][f"{a} vs {b}"] = {f"first_{n or 'all'}": loss_diff(runs, a, b, n) for n in (3, 9, None)}
     for name, r in runs.items():
-        stages = [x for x in r["ranks"] if "stage" in x]
-        if stages and all(x["median_s"].get("pipeline_run") for x in stages):
-            raw = {}
-            for x in stages:
-                t_pipe = x["median_s"]["pipeline_run"]
-                t_alone = statistics.median(x["stage"]["compute_s"])
-                raw[f"stage{x['rank']}"] = {"blocks": x["stage"]["blocks"], "pipeline_run_s": t_pipe,
-                                            "compute_alone_s": t_alone, "idle_fraction": 1 - t_alone / t_pipe}
-            m, p = stages[0]["stage"]["n_micro"], len(stages)
-            out["bubble"][name] = {"micro_batches": m, "stages": p, "ideal_balanced": (p - 1) / (m + p - 1),
-                                   "pipeline_steps_timed": r["steps_done"], **raw}
+        b = bubble(r)
+        if b:
+            out["bubble"][name] = b
     return out
+
+
+def bubble(r: dict) -> dict | None:
+    """A pipeline run's idle fraction per stage: 1 - its compute alone / its time in the schedule."""
+    stages = [x for x in r["ranks"] if "stage" in x]
+    if not stages or not all(x["median_s"].get("pipeline_run") for x in stages):
+        return None
+    raw = {}
+    for x in stages:
+        t_pipe = x["median_s"]["pipeline_run"]
+        t_alone = statistics.median(x["stage"]["compute_s"])
+        raw[f"stage{x['rank']}"] = {"blocks": x["stage"]["blocks"], "pipeline_run_s": t_pipe,
+                                    "compute_alone_s": t_alone, "idle_fraction": 1 - t_alone / t_pipe}
+    m, p = stages[0]["stage"]["n_micro"], len(stages)
+    return {"micro_batches": m, "stages": p, "ideal_balanced": (p - 1) / (m + p - 1),
+            "pipeline_steps_timed": r["steps_done"], **raw}
 
 
 def outcome(r: dict) -> str:
@@ -324,3 +333,7 @@ if __name__ == "__main__":
         print(report(sys.argv[2:]))
     elif mode == "cp":
         print(cp_report(sys.argv[2:]))
+    elif mode == "tables":
+        from multi_gpu_tables import main as tables_main
+
+        sys.exit(tables_main(sys.argv[2:]))

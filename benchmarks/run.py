@@ -13,8 +13,8 @@ measured, and calls report.py. Text outside the tables (the analysis) is not rew
 
 Without --only, the suite runs every one-GPU and CPU step in the order below. Multi-GPU steps (`gpus` 2) are not
 part of it: they run only when --only names them, on a host with 2 GPUs. `grad-sync` writes its table; the
-`multi-gpu-*` commands write raw results (JSON lines, markdown tables) from which their tables' JSON is written by
-hand. The `goals` step, a summary edited by hand, runs nothing.
+`multi-gpu-*` steps run multi_gpu.sh's parts, keep their run records (JSON lines) and compute their tables from them
+(`multi_gpu_report.py tables`). The `goals` step, a summary edited by hand, runs nothing: the one table by hand.
 
 Why a table of steps in Python rather than shell scripts: the test reads it (every table has a step), the report
 reads it (each table names its rerun command), and --list/--dry-run cost nothing on a machine without a GPU.
@@ -56,7 +56,20 @@ TRAIN_13B = ("python3 -m lowbit train --model.preset 13b --recipe fp8lm-o2 --dat
              "--train.log_every 5 --train.eval_every 0 --train.eval_batches 1 --numerics.telemetry_every 0 "
              "--checkpoint.save false --run.plot false --run.dir /tmp/lowbit_run_13b > {out}/train_13b_{dev}.txt 2>&1; "
              "python3 benchmarks/run.py --train-table /tmp/lowbit_run_13b --out {out}/train_13b_{dev}.json")
-MULTI = "the command writes JSON lines and markdown tables; their rows are copied into the table JSON by hand"
+
+
+def multi_gpu(parts: str, tables: str) -> tuple[str, ...]:
+    """multi_gpu.sh's parts into one scratch folder, their run records and env.txt copied into {out}, then the
+    tables computed from them (multi_gpu_report.py tables). Part a/b/c's one-GPU runs are the references of d and
+    e: their earlier files are read where this run did not write them (a missing file is skipped)."""
+    tmp, raw = f"/tmp/lowbit_multi_gpu_{parts}", "{out}/multi_gpu_{dev}"
+    refs = f"{raw}_runs.json {raw}_abc.jsonl " if parts != "abc" else ""
+    return (f"rm -rf {tmp}", *(f"OUT={tmp} bash benchmarks/multi_gpu.sh {p}" for p in parts),
+            f"cp {tmp}/results.jsonl {raw}_{parts}.jsonl && cp {tmp}/env.txt {raw}_{parts}_env.txt",
+            f"python3 benchmarks/multi_gpu_report.py tables --only {tables} --env {raw}_{parts}_env.txt "
+            f"--out {raw}_tables.json {refs}{raw}_{parts}.jsonl")
+
+
 
 STEPS: tuple[Step, ...] = (
     Step("goals", "where the goals stand", (), ("goals.json",), 0,
@@ -125,12 +138,12 @@ STEPS: tuple[Step, ...] = (
     Step("comm-bytes", "bytes on the wire per step by layout (4 gloo processes on the CPU)",
          ("python3 benchmarks/comm_bytes.py --out {out}/comm_bytes_{dev}.json",), ("comm_bytes_{dev}.json",), 0),
     Step("multi-gpu-abc", "two GPUs: tensor/sequence, context and pipeline parallelism, a few hundred steps",
-         ("bash benchmarks/multi_gpu.sh a", "bash benchmarks/multi_gpu.sh b", "bash benchmarks/multi_gpu.sh c"),
-         tuple(f"multi_gpu_{{dev}}_tables.json#{k}" for k in ("tp_sp", "cp", "pp", "long")), 2, by_hand=MULTI),
-    Step("multi-gpu-d", "two GPUs: data parallelism and FSDP2 at 1b", ("bash benchmarks/multi_gpu.sh d",),
-         ("multi_gpu_{dev}_tables.json#dp_fsdp",), 2, by_hand=MULTI),
-    Step("multi-gpu-e", "two GPUs: FSDP2 with FP8 weight all-gathers", ("bash benchmarks/multi_gpu.sh e",),
-         ("multi_gpu_{dev}_tables.json#fsdp_fp8_gather",), 2, by_hand=MULTI),
+         multi_gpu("abc", "tp_sp,cp,pp,long"),
+         tuple(f"multi_gpu_{{dev}}_tables.json#{k}" for k in ("tp_sp", "cp", "pp", "long")), 2),
+    Step("multi-gpu-d", "two GPUs: data parallelism and FSDP2 at 1b", multi_gpu("d", "dp_fsdp"),
+         ("multi_gpu_{dev}_tables.json#dp_fsdp",), 2),
+    Step("multi-gpu-e", "two GPUs: FSDP2 with FP8 weight all-gathers", multi_gpu("e", "fsdp_fp8_gather"),
+         ("multi_gpu_{dev}_tables.json#fsdp_fp8_gather",), 2),
     Step("grad-sync", "two GPUs: the gradient exchange alone",
          ("torchrun --nproc-per-node 2 benchmarks/grad_sync_bench.py --out {out}/grad_sync_{dev}.json",),
          ("grad_sync_{dev}.json",), 2),
