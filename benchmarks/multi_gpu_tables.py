@@ -1,7 +1,7 @@
 """BENCHMARKS.md's two-GPU tables, computed from multi_gpu.sh's raw results (`multi_gpu_report.py tables`).
 
     python benchmarks/multi_gpu_report.py tables --out TABLES.json [--only KEY,...] [--env ENV.txt]
-        [--commit C] [--date D] [--command C] RAW...
+        [--commit C] [--date D] RAW...
 
 RAW: JSON-lines files of run records (multi_gpu.sh's results.jsonl, `multi_gpu_report.py collect`) or a runs file
 that gathers them by part ({"parts": {"a": [records...]}, "date", "snapshot": "... commit HASH ..."}); a later
