@@ -11,18 +11,18 @@
 #   bash benchmarks/multi_gpu.sh e   FSDP2 fp8-tensorwise: weights all-gathered as FP8 vs fp32; a 125m run with its checkpoint
 #   bash benchmarks/multi_gpu.sh f   125m context parallel: zigzag vs plain split at 32k (ring, rsa), then the longest
 #                                    trainable sequence (64k, 128k) of each; ~235 s (TIME_S 225 by default)
-# Env: SRC (lowbit sources, default .gpu10/src), DATA (a prepared dataset dir), OUT (results), TIME_S (seconds
-# this part may take), SMOKE=1 (CPU, gloo, tiny shapes: checks the script itself).
+# Env: SRC (lowbit sources, default this repository's src), DATA (a prepared dataset dir; empty: the built-in
+# corpus, too small for the long-sequence parts), OUT (results), TIME_S (seconds this part may take), SMOKE=1 (CPU, gloo, tiny shapes: checks the script itself).
 # Each sub-run's summary is appended to $OUT/results.jsonl as soon as it ends (multi_gpu_report.py collect).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1
 HERE=$(cd "$(dirname "$0")" && pwd)
-SRC=${SRC:-$PWD/.gpu10/src}
+SRC=${SRC:-$(cd "$HERE/.." && pwd)/src}
 export PYTHONPATH=$SRC
-DATA=${DATA:-$(ls -d $PWD/.gpu10/data/* | head -1)}
+DATA=${DATA:-}
 OUT=${OUT:-out}; mkdir -p "$OUT"
-WORK=${WORK:-/tmp/mg10}; rm -rf "$WORK"; mkdir -p "$WORK"
+WORK=${WORK:-/tmp/lowbit_multi_gpu}; rm -rf "$WORK"; mkdir -p "$WORK"
 DEFAULT_TIME_S=560; [ "${1:-a}" = f ] && DEFAULT_TIME_S=225
 TIME_S=${TIME_S:-$DEFAULT_TIME_S}
 PY=${PY:-python3}
