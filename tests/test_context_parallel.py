@@ -9,19 +9,24 @@ from distributed_util import init_gloo, spawn
 from lowbit.distributed.context_parallel import RingAttention, RingSelfAttention, shard_positions, zigzag_positions
 
 B, H, L, D = 2, 3, 24, 8
+GQA = (4, 2)  # the grouped-query problem: 4 query heads over 2 K/V heads
 
 
-def full_problem():
+def full_problem(heads=None):
+    """q, k, v, dout; heads: (query heads, K/V heads), else H of each."""
     g = torch.Generator().manual_seed(0)
-    q, k, v, dout = (torch.randn(B, H, L, D, generator=g, dtype=torch.float32) for _ in range(4))
+    hq, hkv = heads or (H, H)
+    q, k, v, dout = (torch.randn(B, h, L, D, generator=g, dtype=torch.float32) for h in (hq, hkv, hkv, hq))
     return q, k, v, dout
 
 
-def _worker(rank, world, impl, causal, layout="zigzag"):
+def _worker(rank, world, impl, causal, layout="zigzag", heads=None):
     init_gloo()
     import torch.distributed as dist
 
-    q, k, v, dout = full_problem()
+    from lowbit.distributed.context_parallel import SENT
+
+    q, k, v, dout = full_problem(heads)
     positions = torch.stack([shard_positions(L, world, r, layout) for r in range(world)])
     pos = positions[rank]
     ql, kl, vl = (t[:, :, pos].clone().requires_grad_() for t in (q, k, v))
@@ -32,15 +37,17 @@ def _worker(rank, world, impl, causal, layout="zigzag"):
     out.backward(dout[:, :, pos])
     n = len(pos)  # kept for backward: nothing of queries x keys (this shard's or the whole sequence's)
     assert shapes and not [s for s in shapes if len(s) == 4 and s[-2] == n and s[-1] in (n, L)], shapes
-    return pos, out.detach(), ql.grad, kl.grad, vl.grad
+    return pos, out.detach(), ql.grad, kl.grad, vl.grad, SENT["bytes"]
 
 
-def _check_against_full_attention(world, impl, causal, layout="zigzag"):
-    q, k, v, dout = full_problem()
+def _check_against_full_attention(world, impl, causal, layout="zigzag", heads=None):
+    q, k, v, dout = full_problem(heads)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    rep = q.shape[1] // k.shape[1]  # the model's GQA: repeat_interleave, its gradient summed over the group
+    ref = F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                         is_causal=causal)
     ref.backward(dout)
-    for pos, out, dq, dk, dv in spawn(world, _worker, impl, causal, layout):
+    for pos, out, dq, dk, dv, _ in spawn(world, _worker, impl, causal, layout, heads):
         torch.testing.assert_close(out, ref.detach()[:, :, pos], rtol=1e-5, atol=1e-5)
         for got, full in ((dq, q.grad), (dk, k.grad), (dv, v.grad)):
             torch.testing.assert_close(got, full[:, :, pos], rtol=1e-5, atol=1e-5)
@@ -60,6 +67,28 @@ def test_plain_layout_equals_full_attention(impl):
     """Rank 0 holds the first half: rank 1's block is fully masked for it (skipped), rank 0's fully allowed for
     rank 1, and each rank's own block is the diagonal: every kind of block."""
     _check_against_full_attention(2, impl, causal=True, layout="plain")
+
+
+@pytest.mark.parametrize("impl", ["ring", "rsa"])
+@pytest.mark.slow
+def test_grouped_kv_equals_full_attention(impl):
+    """K/V with fewer heads than q travel as they are and are repeated per kernel call; dK/dV summed over the
+    group before they travel home: the result is full attention over the repeated K/V."""
+    _check_against_full_attention(2, impl, causal=True, heads=GQA)
+
+
+def _bytes_sent(world, impl, heads):
+    return sum(r[-1] for r in spawn(world, _worker, impl, True, "zigzag", heads))
+
+
+@pytest.mark.parametrize("impl", ["ring", "rsa"])
+@pytest.mark.slow
+def test_grouped_kv_sends_fewer_bytes_by_the_group_size(impl):
+    """The same 4 query heads against 2 K/V heads sent as they are, or repeated to 4 heads first (what the ring
+    moved before): K/V in forward and the dK/dV accumulators in backward, half the bytes."""
+    grouped = _bytes_sent(2, impl, GQA)
+    repeated = _bytes_sent(2, impl, (4, 4))  # 4 K/V heads: the bytes of K/V repeated to the query heads
+    assert grouped > 0 and repeated == 2 * grouped
 
 
 def test_zigzag_balances_causal_work():

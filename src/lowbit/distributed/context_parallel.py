@@ -16,6 +16,9 @@ rank computes cp blocks, the first one). Positions travel with the shards: RoPE 
           values. Blockwise: stage one assembles the key blocks (L×D, for this layer's call only) instead of the
           Lq×L score rows, stage two runs each arriving value block with its keys through the same kernel and
           merge. Backward assembles the keys again, then circulates the values with their dK/dV accumulators.
+
+Both move K/V with the model's n_kv_heads heads (GQA: the core is `grouped_kv`), repeated to the query heads only
+for each kernel call; each block's dK/dV share is summed over the group before it travels.
 """
 
 from __future__ import annotations
@@ -80,18 +83,30 @@ class _Ring:
         return self.finish(self.start(tensors))
 
 
+def expand_heads(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """K/V [B, Hkv, L, D] repeated to the query heads as the model's GQA does (repeat_interleave: head j serves
+    query heads j·rep .. j·rep+rep−1), for the kernel call only: the ring moves the Hkv heads."""
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def fold_heads(g: torch.Tensor, rep: int) -> torch.Tensor:
+    """The gradient of `expand_heads`: [B, H, L, D] summed over each group of rep query heads (in its dtype)."""
+    return g if rep == 1 else g.unflatten(1, (g.shape[1] // rep, rep)).sum(2)
+
+
 def _ring_forward(ring, q, k, v, pos, causal: bool, keys=None):
     """This rank's queries against every rank's K/V, one block per step, the next block in flight meanwhile;
-    with `keys` (RSA's second stage) the keys are already here and only the values travel."""
-    scale = q.shape[-1] ** -0.5
+    with `keys` (RSA's second stage) the keys are already here and only the values travel. K/V travel with their
+    own (GQA) head count and are repeated to q's heads per kernel call."""
+    scale, rep = q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
     out, lse = fresh_accumulators(q)
     kc, vc = k, v
     for step in range(ring.n):
         src = (ring.r - step) % ring.n
         moving = [vc] if keys is not None else [kc, vc]
         pending = ring.start(moving) if step < ring.n - 1 else None
-        forward_step(q, kc if keys is None else keys[src], vc, block_plan(pos[ring.r], pos[src], causal), scale,
-                     out, lse)
+        forward_step(q, expand_heads(kc if keys is None else keys[src], rep), expand_heads(vc, rep),
+                     block_plan(pos[ring.r], pos[src], causal), scale, out, lse)
         if pending is not None:
             arrived = ring.finish(pending)
             kc, vc = (kc, arrived[0]) if keys is not None else arrived
@@ -101,8 +116,9 @@ def _ring_forward(ring, q, k, v, pos, causal: bool, keys=None):
 def _ring_backward(ring, dout, q, k, v, out, lse, pos, causal: bool, keys=None):
     """The ring again, each block's kernel backward given the global output and log-sum-exp: dq adds up here,
     each block's (dk, dv) travels on with it, gaining every rank's share, and is home after a full turn. A block's
-    share is computed before the accumulator from the previous rank is awaited, so that transfer overlaps it."""
-    scale = q.shape[-1] ** -0.5
+    share is computed before the accumulator from the previous rank is awaited, so that transfer overlaps it.
+    Each share is summed over the GQA group (fp32) before it travels: accumulators have K/V's head count."""
+    scale, rep = q.shape[-1] ** -0.5, q.shape[1] // k.shape[1]
     dout = dout.contiguous()
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kc, vc, acc = k, v, None
@@ -110,8 +126,9 @@ def _ring_backward(ring, dout, q, k, v, out, lse, pos, causal: bool, keys=None):
         src = (ring.r - step) % ring.n
         moving = [vc] if keys is not None else [kc, vc]
         pending = ring.start(moving) if step < ring.n - 1 else None
-        dk, dv = backward_step(dout, q, kc if keys is None else keys[src], vc, out, lse,
-                               block_plan(pos[ring.r], pos[src], causal), scale, dq)
+        dk, dv = backward_step(dout, q, expand_heads(kc if keys is None else keys[src], rep),
+                               expand_heads(vc, rep), out, lse, block_plan(pos[ring.r], pos[src], causal), scale, dq)
+        dk, dv = fold_heads(dk, rep), fold_heads(dv, rep)
         if acc is not None:
             dk_in, dv_in = ring.finish(acc)
             dk += dk_in
@@ -172,7 +189,11 @@ class RingSelfAttention(torch.autograd.Function):
 
 
 class ContextParallelAttention(nn.Module):
-    """The attention core of a context-parallel model: this rank's queries against everyone's keys/values."""
+    """The attention core of a context-parallel model: this rank's queries against everyone's keys/values.
+    `grouped_kv`: the model hands K/V with their own head count, which is what travels (n_heads/n_kv_heads times
+    fewer bytes than repeated K/V); they are repeated locally for each kernel call."""
+
+    grouped_kv = True
 
     def __init__(self, group, seq_len: int, impl: str = "ring", causal: bool = True, layout: str = "zigzag"):
         super().__init__()
