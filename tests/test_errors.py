@@ -37,6 +37,8 @@ def dataset(tmp_path_factory) -> Path:
     (["--recipe", "fp3"], ["recipe"]),
     (["--train.dtype", "fp16"], ["train.dtype"]),
     (["--parallel.cp_layout", "ring"], ["parallel.cp_layout", "'ring' is not one of zigzag, plain"]),
+    (["--parallel.cp_kv_dtype", "bf16"], ["parallel.cp_kv_dtype", "'bf16' is not one of auto, fp8"]),
+    (["--parallel.cp_kv_dtype", "fp8"], ["parallel.cp_kv_dtype", "parallel.cp > 1"]),
     (["--train.batch_size", "6", "--train.micro_batch_size", "4"], ["train.micro_batch_size"]),
     (["--data.val_fraction", "1.5"], ["data.val_fraction"]),
     (["--train.stop_at", "50", "--train.steps", "10"], ["train.stop_at"]),

@@ -504,6 +504,21 @@ def test_ring_schedule_on_flash_matches_sdpa_on_gpu(cp, layout):
         assert (got - ref).abs().max().item() <= 5e-2 * ref.abs().max().item()
 
 
+def test_fp8_kv_wire_on_gpu_equals_the_cpu_cast():
+    """parallel.cp_kv_dtype fp8 on CUDA bf16 K/V: the bytes, scales and dequantized block equal the CPU's."""
+    from lowbit.distributed.kv_wire import KVWire
+
+    wire = KVWire("fp8")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    k = torch.randn(2, 4, 512, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    gpu, cpu = wire.pack(k), wire.pack(k.cpu())
+    assert gpu[0].dtype == torch.uint8 and gpu[0].is_cuda
+    for a, b in zip(gpu, cpu):
+        assert torch.equal(a.cpu(), b)
+    back = wire.unpack(gpu, k)
+    assert back.dtype == torch.bfloat16 and torch.equal(back.cpu(), wire.unpack(cpu, k.cpu()))
+
+
 def test_ring_schedule_keeps_no_seq_by_seq_tensor_on_gpu():
     from lowbit.distributed.context_parallel import OneDeviceRingCore
 

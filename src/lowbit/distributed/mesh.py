@@ -55,6 +55,9 @@ def check_layout(cfg, args, precision) -> None:
         raise LowbitError(f"data.seq_len ({cfg.data.seq_len}) must be divisible by "
                           + (f"2*parallel.cp ({2 * p.cp}): each rank takes two zigzag chunks" if zigzag else
                              f"parallel.cp ({p.cp}): each rank takes one chunk (parallel.cp_layout plain)"))
+    if p.cp_kv_dtype != "auto" and p.cp == 1:
+        raise LowbitError(f"parallel.cp_kv_dtype ({p.cp_kv_dtype}): K/V travel only under context parallelism; "
+                          f"set parallel.cp > 1 or leave it auto")
     if p.cp > 1 and args.attention != "sdpa":
         raise LowbitError(f"parallel.cp: context parallelism computes exact attention; model.attention "
                           f"{args.attention} is not supported with it")

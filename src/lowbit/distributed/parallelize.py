@@ -46,7 +46,7 @@ def parallelize(model: torch.nn.Module, mesh, parallel, seq_len: int, device: to
     positions = None
     if mesh.sizes["cp"] > 1:
         layout = parallel.cp_layout
-        apply_context_parallel(model, mesh.group("cp"), seq_len, parallel.cp_impl, layout)
+        apply_context_parallel(model, mesh.group("cp"), seq_len, parallel.cp_impl, layout, parallel.cp_kv_dtype)
         positions = shard_positions(seq_len, mesh.sizes["cp"], mesh.coords["cp"], layout).to(device)
     tp_group = mesh.group("tp")
     if tp_group is not None:

@@ -193,7 +193,9 @@ class CausalSDPA(nn.Module):
 
 class Attention(nn.Module):
     """Projections, RoPE and GQA around an attention core [B, H, L, D] -> [B, H, L, D]: CausalSDPA or Performer;
-    context parallelism swaps in its own (lowbit.distributed.context_parallel)."""
+    context parallelism swaps in its own (lowbit.distributed.context_parallel). K/V reach the core repeated to H
+    heads (head j of the group of query heads j·rep .. j·rep+rep−1, repeat_interleave), unless the core says
+    `grouped_kv`: then with n_kv_heads heads, and the core repeats them the same way."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -211,7 +213,8 @@ class Attention(nn.Module):
         k = self.wk(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)  # before any feature map
-        if self.n_kv_heads != self.n_heads:
+        # a core marked grouped_kv takes K/V with n_kv_heads heads and repeats them itself, where it needs them
+        if self.n_kv_heads != self.n_heads and not getattr(self.core, "grouped_kv", False):
             # Expanded views keep every SDPA backend available (flash included); no seq x seq tensor is formed.
             rep = self.n_heads // self.n_kv_heads
             k = k.repeat_interleave(rep, dim=1)

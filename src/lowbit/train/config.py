@@ -163,6 +163,9 @@ class ParallelConfig:
     cp_layout: str = opt("zigzag", "context-parallel sequence split: zigzag (rank r holds chunks r and 2cp-1-r of "
                                    "2cp: causal work balanced) | plain (rank r holds chunk r of cp: the last rank "
                                    "computes cp attention blocks, the first one; ring skips fully masked blocks, rsa only their QK^T)")
+    cp_kv_dtype: str = opt("auto", "how K/V travel around the context-parallel ring: auto (the activation dtype, "
+                                   "exact) | fp8 (E4M3 bytes, a power-of-two scale per sequence and head: about "
+                                   "half of bf16; every rank attends to the dequantized K/V)")
     zero: int = opt(0, "ZeRO stage over the replicas: 0 | 1 (optimizer states sharded, owners broadcast weights)")
     grad_sync: str = opt("fp32", "data-parallel gradient exchange: fp32 | bf16 | fp8 (FP8 bytes, fp32 sums)")
     grad_sync_format: str = opt("e4m3", "FP8 format of the fp8 gradient exchange: e4m3 | e5m2")
@@ -319,6 +322,7 @@ CHOICES = {
     "train.dtype": ("auto", "fp32", "bf16"),
     "parallel.cp_impl": ("ring", "rsa"),
     "parallel.cp_layout": ("zigzag", "plain"),
+    "parallel.cp_kv_dtype": ("auto", "fp8"),
     "parallel.zero": (0, 1),
     "parallel.pp_schedule": ("gpipe", "1f1b"),
     "parallel.grad_sync": ("fp32", "bf16", "fp8"),
