@@ -145,6 +145,9 @@ def _fed_spec(block: nn.Module, names: tuple[str, ...]) -> tuple[Scaling | None,
     linears = [block.get_submodule(n) for n in names]
     if not all(isinstance(m, LowPrecisionLinear) for m in linears):
         return None, "a linear it feeds stays high precision"
+    device = linears[0].weight.device
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return None, "the producers' Triton kernels write FP8 from compute capability 8.9 on"
     why = next((w for w in (unsupported(m.recipe) for m in linears) if w), None)
     if why:
         return None, why
