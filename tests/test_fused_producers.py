@@ -104,7 +104,8 @@ def test_fused_step_compiled():
     unfused norm's forward and both backwards with its own reduction orders: an rstd, and so an amax and a scale,
     may differ in the last bit, and a norm weight's gradient (a sum over tokens) in the last bits. Bounded: the
     fused compiled step is within 1e-5 (loss) and 1e-4 (each gradient, relative norm) of the unfused compiled one
-    and of its own eager step (measured here: ~1e-7 and ~1e-6)."""
+    and of its own eager step (measured against the unfused compiled step: the loss and every linear's gradient
+    equal, the norm weights' and the embedding's within 1e-7)."""
     runs = {}
     for fused in (False, True):
         model, _ = build(fused, n_layers=1)
@@ -114,7 +115,6 @@ def test_fused_step_compiled():
     eager = step(eager_model)
     for other in (runs[False], eager):
         diffs = rel_diffs(runs[True], other)
-        print(max(diffs.values()), diffs)
         assert diffs.pop("loss") <= 1e-5
         assert max(diffs.values()) <= 1e-4, diffs
 
