@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.errors import LowbitError
 from lowbit.numerics.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
 from lowbit.numerics.gemm import scaled_matmul
-from lowbit.errors import LowbitError
 from lowbit.numerics.qtensor import QTensor, cast, cast_transpose, quantize, transpose_fused
 from lowbit.numerics.scaling import Scaling, all_max, expand_groups, group_amax, scale_from_amax
 from lowbit.numerics.scaling_state import OperandStates, ScalingState, report
