@@ -135,6 +135,7 @@ def test_config_refuses_delayed_override_and_tensor_parallelism(capsys):
                                "--parallel.tp", "2"], "numerics.fused_producers", "parallel.tp")
 
 
+@pytest.mark.slow
 def test_train_with_fused_producers_from_the_command_line(tmp_path, capsys):
     """A short run with the knob is the run without it, loss for loss."""
     base = [*SMALL, "--recipe", "fp8-tensorwise", "--train.steps", "4", "--train.eval_every", "0",
@@ -146,6 +147,7 @@ def test_train_with_fused_producers_from_the_command_line(tmp_path, capsys):
     assert losses(tmp_path / "on") == losses(tmp_path / "off")
 
 
+@pytest.mark.slow
 def test_bench_step_variant_fuses_the_producers(tmp_path, capsys, monkeypatch):
     """`lowbit bench step --recipes fp8-tensorwise+numerics.fused_producers=true` converts with the producers."""
     import json
