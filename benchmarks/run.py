@@ -91,8 +91,9 @@ STEPS: tuple[Step, ...] = (
     Step("step-1b", "the 1b step: bf16, fp8-tensorwise, torchao, alone and in a row",
          (bench(f"{S1B} --recipes bf16,fp8-tensorwise --torchao tensorwise", "step_1b_torchao_{dev}.json"),),
          ("step_1b_torchao_{dev}.json",)),
-    Step("profile-1b", "where the 1b step's time goes",
-         (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-delayed --torchao tensorwise --profile",
+    Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers)",
+         (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,fp8-delayed "
+                "--torchao tensorwise --profile",
                 "step_1b_profile_{dev}.json"),), ("step_1b_profile_{dev}.json",)),
     Step("recipes-1b", "the 1b step of fp8lm-o2, nanotron-r2 and fp4 beside fp8-tensorwise",
          ("TORCH_LOGS=recompiles " + bench(f"{S1B} --no-bf16 --torchao none --profile "

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
+from lowbit.numerics.fused_producers import remove_fused_producers
 from lowbit.numerics.linear import LowPrecisionLinear
 from lowbit.numerics.recipes import Recipe, convert as convert_recipe, get_recipe, param_groups, with_filters
 from lowbit.optim.adamw import LowbitAdamW
@@ -77,9 +78,11 @@ def _plain(p: torch.Tensor) -> torch.Tensor:
 
 def unconvert(model: nn.Module) -> nn.Module:
     """Undo `convert` (in place; returns the model): every low-precision linear back to an nn.Linear, every weight
-    the optimizer stored scaled back to a plain tensor, no saved-activation codec. The state_dict then holds the
+    the optimizer stored scaled back to a plain tensor, the FP8 norms and SwiGLU (numerics.fused_producers) back
+    to plain ones, no saved-activation codec. The state_dict then holds the
     original keys only (no `*.scaling.*`), so a HF model saves and reloads as plain HF. Meant for the end of
     training: an optimizer built before no longer holds the scaled weights."""
+    remove_fused_producers(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, LowPrecisionLinear):
             plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")

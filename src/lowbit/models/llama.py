@@ -118,17 +118,25 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, dy):
         rstd, weight, *packed = ctx.saved_tensors
         x = ctx.codec.unpack(*packed, ctx.x_dtype) if ctx.codec else packed[0]
-        h = x.float()
-        n = (h * rstd).to(x.dtype)
-        dx = dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (dy.float() * n.float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
-        if ctx.needs_input_grad[0]:
-            # autograd rounds d(normalized) to x's dtype before the fp32 part (the cast's backward): so do we
-            dn = (dy * weight).to(x.dtype).float()
-            dot = (dn * h).sum(-1, keepdim=True)
-            dx = (dn * rstd - h * (rstd.pow(3) * dot / h.shape[-1])).to(x.dtype)
+        dx, dw = rmsnorm_backward(dy, x, rstd, weight, *ctx.needs_input_grad[:2])
         return dx, dw, None, None
+
+
+def rmsnorm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, weight: torch.Tensor, need_dx: bool,
+                     need_dw: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(dx, dweight) of RMSNorm's output gradient `dy`, from its input `x` and the fp32 `rstd` of each row (None
+    where not needed). Public so that a module computing the same forward another way has the same backward."""
+    h = x.float()
+    n = (h * rstd).to(x.dtype)
+    dx = dw = None
+    if need_dw:
+        dw = (dy.float() * n.float()).reshape(-1, n.shape[-1]).sum(0).to(weight.dtype)
+    if need_dx:
+        # autograd rounds d(normalized) to x's dtype before the fp32 part (the cast's backward): so do we
+        dn = (dy * weight).to(x.dtype).float()
+        dot = (dn * h).sum(-1, keepdim=True)
+        dx = (dn * rstd - h * (rstd.pow(3) * dot / h.shape[-1])).to(x.dtype)
+    return dx, dw
 
 
 class RMSNorm(nn.Module):
@@ -240,10 +248,17 @@ class _SiluMul(torch.autograd.Function):
         saved, n = ctx.saved_tensors, ctx.n_a
         a, b = (ctx.codec.unpack(*saved[:n], ctx.dtypes[0]), ctx.codec.unpack(*saved[n:], ctx.dtypes[1])) \
             if ctx.codec else saved
-        # each product cast to its input's dtype, as autograd's mul backward does
-        da = torch.ops.aten.silu_backward((dy * b).to(a.dtype), a) if ctx.needs_input_grad[0] else None
-        db = (dy * F.silu(a)).to(b.dtype) if ctx.needs_input_grad[1] else None
-        return da, db, None
+        return (*silu_mul_backward(dy, a, b, *ctx.needs_input_grad[:2]), None)
+
+
+def silu_mul_backward(dy: torch.Tensor, a: torch.Tensor, b: torch.Tensor, need_da: bool,
+                      need_db: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(da, db) of silu(a)·b for its output gradient `dy` (None where not needed). Public so that a module
+    computing the same forward another way has the same backward."""
+    # each product cast to its input's dtype, as autograd's mul backward does
+    da = torch.ops.aten.silu_backward((dy * b).to(a.dtype), a) if need_da else None
+    db = (dy * F.silu(a)).to(b.dtype) if need_db else None
+    return da, db
 
 
 class SwiGLU(nn.Module):

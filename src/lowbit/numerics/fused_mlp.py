@@ -4,9 +4,9 @@ with their transposes in one pass each (`qtensor.cast_transpose`).
 
 Scope: one scale per tensor by current scaling (fp8-tensorwise's linears). Its casts are not recorded in w2's
 scaling state (`ScalingState`: the last amax and scale, counters), and a bad amax of dy casts with scale 1 where
-LowPrecisionLinear keeps the last good one; `convert` does not use it yet, so the model's FeedForward runs the
-unfused path. `lowbit bench kernels` times it against that path (`mlp_fused`), and tests compare it with that path
-bit for bit.
+LowPrecisionLinear keeps the last good one; so `convert` does not use it: numerics.fused_producers feeds w2 the
+same FP8 product through its LowPrecisionLinear instead, keeping its state. `lowbit bench kernels` times it
+against that path (`mlp_fused`), and tests compare it with that path bit for bit.
 """
 
 from __future__ import annotations

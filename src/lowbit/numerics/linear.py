@@ -13,6 +13,9 @@ re-quantized from its dequantized value (tensor granularity needs neither: the t
 Eagerly on a GPU with one FP8 scale per tensor, the input, the weight and the output gradient are each cast and
 transposed in one pass (`qtensor.cast_transpose`), and backward keeps the transposed input and weight (the bytes
 its GEMMs read) instead of transposing them there.
+
+The input may also arrive already quantized (`PrequantizedInput`, made by numerics.fused_producers: RMSNorm or
+SwiGLU written directly as FP8): then the layer takes those bytes and that cast's report instead of casting.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lowbit.errors import LowbitError
 from lowbit.numerics.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
 from lowbit.numerics.gemm import scaled_matmul
 from lowbit.numerics.qtensor import QTensor, cast, cast_transpose, quantize, transpose_fused
@@ -43,6 +47,23 @@ class LinearRecipe:
     fast_accum_fprop: bool = True  # fprop on GPU with fast FP8 accumulation (as torchao); dgrad/wgrad never
     dge: DGE | None = None  # FP4 weights: differentiable gradient estimator instead of straight-through
     occ: OCC | None = None  # outlier clamping of the input, the clamped part compensated unquantized
+
+
+@dataclass
+class PrequantizedInput:
+    """A linear's input that its producer wrote directly as FP8 (numerics.fused_producers), with the scale a
+    LowPrecisionLinear's tensorwise current cast would pick (so the same bytes). `token` stands for the
+    high-precision tensor that was never written: an expanded zero of its shape and dtype (no memory), the output
+    of the producer's autograd Function, so that the linears' input gradients reach the producer's backward."""
+
+    token: torch.Tensor  # [..., K]
+    data: torch.Tensor  # [M, K] FP8
+    scale: torch.Tensor  # [] the cast's scale
+    report: torch.Tensor  # [2] ScalingState's report of the cast (amax, bad)
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.token.shape
 
 
 def in_backward() -> bool:
@@ -92,17 +113,22 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_warm, sink, reports,
-                telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None):
+                telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None, x_data=None):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
-        ctx.hp = _keeps_input(r, occ_idx is not None)
+        given = x_data is not None  # prequantized: x is PrequantizedInput's token, x_data its bytes
+        ctx.hp = not given and _keeps_input(r, occ_idx is not None)
         # Eager on a GPU, one FP8 scale per tensor: the input and the weight cast and transposed in one pass each,
         # and backward keeps the transposed copies its GEMMs take (as many bytes as the row-major ones)
-        ctx.xt = not ctx.hp and not r.wgrad_hp and transpose_fused(x2, r.input)
+        ctx.xt = not given and not ctx.hp and not r.wgrad_hp and transpose_fused(x2, r.input)
         ctx.wt = not hasattr(weight, "quantized") and transpose_fused(weight, r.weight)
         with torch.autocast(x.device.type, enabled=False):
-            qx, qxt = cast_transpose(x2, r.input, scale_x) if ctx.xt else (quantize(x2, r.input, scale=scale_x), None)
+            if given:
+                qx, qxt = QTensor(x_data, scale_x.reciprocal(), r.input), None
+            else:
+                qx, qxt = cast_transpose(x2, r.input, scale_x) if ctx.xt else \
+                    (quantize(x2, r.input, scale=scale_x), None)
             # a weight all-gathered in FP8 (FSDP2) arrives quantized with the whole tensor's scale
             if ctx.wt:
                 qw, qwt = cast_transpose(weight, r.weight, scale_w)
@@ -115,7 +141,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             elif occ_idx is not None:  # sparse, in fp32
                 y = (y.float() + occ_mm(occ_idx, occ_val, weight.float(), x2.shape[0])).to(out_dtype)
         if telemetry_layer is not None:
-            telemetry_layer.telemetry["input"] = _stats(x2, qx)
+            if not given:  # a prequantized input's high-precision values were never written: no statistics
+                telemetry_layer.telemetry["input"] = _stats(x2, qx)
             telemetry_layer.telemetry["weight"] = _stats(weight, qw)
         # OCC keeps its residual as C (index, value) pairs, about 2(1 − α)·12 bytes per input element.
         ctx.save_for_backward(x2 if ctx.hp else qxt.data if ctx.xt else qx.data, scale_x if ctx.hp else qx.scale_inv,
@@ -178,7 +205,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dw = dw + occ_wgrad(occ_idx, occ_val, dy2, weight.shape[1]).t().to(dw.dtype)
         seen = torch.cat([reports, report(amax if g.granularity == "tensor" else None, bad)[None]]) \
             if ctx.report else None
-        return dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None, None, None
+        return (dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None, None, None,
+                None)
 
 
 def _scaling_states(recipe: LinearRecipe, device) -> OperandStates:
@@ -205,14 +233,19 @@ class LowPrecisionLinear(nn.Linear):
         new.scaling = _scaling_states(recipe, linear.weight.device)
         return new
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PrequantizedInput) -> torch.Tensor:
         # not when activation checkpointing recomputes this forward: the original's backward reports its casts
         update = self.training and torch.is_grad_enabled() and not in_backward()
         r, st = self.recipe, self.scaling
+        pre = x if isinstance(x, PrequantizedInput) else None
+        if pre is not None:
+            if st["input"].amax_group is not None:  # its amax is of this rank's shard only
+                raise LowbitError("numerics.fused_producers: not with tensor parallelism (parallel.tp > 1)")
+            x = pre.token
         x2, idx, val = x.reshape(-1, x.shape[-1]), None, None
         if r.occ is not None and r.occ.alpha < 1:  # clamp outliers; straight-through for x, the residual is
             x2, idx, val = occ_split(x2.detach(), r.occ)  # compensated in the Function (α = 1 clamps nothing)
-        scale_x, report_x = st["input"].cast_scale(x2)
+        scale_x, report_x = (pre.scale, pre.report) if pre is not None else st["input"].cast_scale(x2)
         if hasattr(self.weight, "quantized"):  # FP8 all-gather (FSDP2): cast before the gather, reported here
             scale_w = self.weight._scale_inv.reciprocal()
             report_w = report(self.weight._amax, self.weight._bad)
@@ -226,7 +259,7 @@ class LowPrecisionLinear(nn.Linear):
                                       go.warming_up() if go.spec.strategy == "delayed" else None,
                                       st.sink(x.device) if update else None, torch.stack([report_x, report_w]),
                                       self if self.telemetry_armed else None, x2 if idx is not None else None, idx,
-                                      val, go.amax_group)
+                                      val, go.amax_group, pre.data if pre is not None else None)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

@@ -13,6 +13,7 @@ from torch import nn
 from lowbit.numerics.activations import compress_saved_activations
 from lowbit.errors import LowbitError
 from lowbit.numerics.fp4 import DGE, OCC, check_fp4_dims
+from lowbit.numerics.fused_producers import install_fused_producers
 from lowbit.numerics.linear import LinearRecipe, LowPrecisionLinear
 from lowbit.optim.precision import StatePrecision
 from lowbit.numerics.scaling import Scaling
@@ -34,6 +35,8 @@ class Recipe:
     # SwiGLU's and the norms' inputs kept for backward in this format, a scale per token (COAT); None: as
     # computed. Less activation memory, approximate gradients (lowbit.numerics.activations).
     saved_activations: Scaling | None = None
+    # the blocks' norms and SwiGLU write their output as FP8 for the linears reading it (numerics.fused_producers)
+    fused_producers: bool = False
 
 
 def _fp8(inp: Scaling, weight: Scaling, grad: Scaling, **kw) -> LinearRecipe:
@@ -266,7 +269,8 @@ def param_groups(model: nn.Module, recipe: Recipe, precision: StatePrecision | N
 def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     """Swap eligible nn.Linear modules of `model` (in place) for LowPrecisionLinear with the recipe's numerics.
     Returns {"converted": [names], "kept": ["name (reason)"]} (and "compressed": the modules whose saved activations
-    the recipe stores compressed). Embeddings are not linears and stay as they are."""
+    the recipe stores compressed; with `fused_producers`, "fused" and "unfused": install_fused_producers'). Embeddings
+    are not linears and stay as they are."""
     report = {"converted": [], "kept": []}
     tree = checked_tree(model, recipe)
     if recipe.saved_activations is not None:
@@ -291,4 +295,6 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LowPrecisionLinear.from_linear(module, recipe.linear))
         report["converted"].append(name)
+    if recipe.fused_producers:  # after the codecs: the fused modules keep the codec of the modules they replace
+        report.update(install_fused_producers(model))
     return report

@@ -117,6 +117,8 @@ class NumericsConfig:
     interval: int | None = opt(None, "delayed operands: recompute the scale every N steps; unset: the recipe's")
     margin: int | None = opt(None, "every operand: scale by 2^-margin below fmt.max / amax (headroom); unset: the "
                                    "recipe's (0)")
+    fused_producers: bool = opt(False, "the blocks' RMSNorms and SwiGLU write their output directly as FP8 for the "
+                                       "linears reading it (recipes with one current scale per tensor on the input)")
 
 
 @dataclass

@@ -12,6 +12,7 @@ import torch
 from lowbit.distributed.mesh import check_layout
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, resolve_model_args
+from lowbit.numerics.fused_producers import unsupported
 from lowbit.numerics.recipes import Recipe, check_keep, get_recipe, keep_patterns, with_dge, with_filters, with_scaling
 from lowbit.optim.precision import StatePrecision
 from lowbit.train.config import Config, read_config
@@ -37,6 +38,8 @@ def check(cfg: Config) -> Recipe:
                           f"{cfg.model.attention}, which runs no SDPA kernel")
     if cfg.model.dropout:
         _check_dropout(cfg)
+    if cfg.numerics.fused_producers:
+        _check_fused_producers(cfg, recipe)
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
     args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
     check_layout(cfg, args, recipe.optim)
@@ -54,6 +57,18 @@ def _check_dropout(cfg: Config) -> None:
     for key, (found, reason) in why.items():
         if found:
             raise LowbitError(f"model.dropout ({cfg.model.dropout}): not with {key} ({reason}); set model.dropout 0")
+
+
+def _check_fused_producers(cfg: Config, recipe: Recipe) -> None:
+    """numerics.fused_producers writes the norms' and SwiGLU's output as FP8 with the scale of the linears that
+    read it: their input must be cast with one current scale per tensor of the whole tensor (not a rank's shard)."""
+    why = "it has no low-precision linears" if recipe.linear is None else unsupported(recipe.linear)
+    if why:
+        raise LowbitError(f"numerics.fused_producers: not with recipe {cfg.recipe}: {why}; set "
+                          f"numerics.fused_producers=false")
+    if cfg.parallel.tp > 1:
+        raise LowbitError("numerics.fused_producers: not with parallel.tp > 1 (a producer's amax would be one "
+                          "rank's shard's); set numerics.fused_producers=false")
 
 
 def _check_keep(cfg: Config) -> None:
@@ -76,6 +91,7 @@ def resolve_recipe(cfg: Config) -> Recipe:
     recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
                           min_dim=n.min_dim, keep=n.keep)
     recipe = with_scaling(with_dge(recipe, n.dge_k, n.dge_clamp), n.scaling, n.history, n.interval, n.margin)
+    recipe = dataclasses.replace(recipe, fused_producers=n.fused_producers)
     fields = {f.name for f in dataclasses.fields(StatePrecision)}
     over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v and k in fields}
     return dataclasses.replace(recipe, optim=StatePrecision(**{**dataclasses.asdict(recipe.optim), **over}))

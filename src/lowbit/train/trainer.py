@@ -230,6 +230,9 @@ def _announce(run: Run, n_params: int, conversion: dict) -> None:
     if run.recipe.linear is not None:
         run.say(f"lowbit: recipe {run.recipe.name}: {len(conversion['converted'])} linears in low precision; kept "
                 f"in {run.dtype}: {', '.join(conversion['kept']) or 'none'}")
+    if "fused" in conversion:
+        run.say(f"lowbit: numerics.fused_producers: {len(conversion['fused'])} norms and SwiGLUs write FP8; "
+                f"unfused: {', '.join(conversion['unfused']) or 'none'}")
     if run.par.fp8_gathered:
         run.say(f"lowbit: FSDP2 all-gathers {len(run.par.fp8_gathered)} weights as FP8 bytes")
 

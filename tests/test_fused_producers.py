@@ -1,0 +1,169 @@
+"""numerics.fused_producers: the norms and SwiGLU hand FP8 to the linears they feed; the step is the unfused one
+bit for bit on the CPU (the producers' CPU kernels are the model's formulas), and the config refuses where it does
+not apply."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import SMALL, assert_user_error, cli, losses
+from lowbit.library import unconvert
+from lowbit.models.llama import Llama, ModelArgs, RMSNorm, SwiGLU
+from lowbit.numerics.fused_producers import FP8RMSNorm, FP8SwiGLU
+from lowbit.numerics.recipes import convert, get_recipe
+
+ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=16)
+
+
+def build(fused: bool, recipe: str = "fp8-tensorwise", **args) -> tuple[Llama, dict]:
+    torch.manual_seed(0)
+    model = Llama(dataclasses.replace(ARGS, **args))
+    return model, convert(model, dataclasses.replace(get_recipe(recipe), fused_producers=fused))
+
+
+def step(model, run=None, autocast: bool = False):
+    """One forward and backward: (loss, {name: grad}, state_dict after the scaling states recorded)."""
+    x = torch.randint(0, ARGS.vocab_size, (2, 17), generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = (model if run is None else run)(x[:, :-1], x[:, 1:])
+    loss.backward()
+    return loss.detach(), {n: p.grad for n, p in model.named_parameters()}, model.state_dict()
+
+
+def assert_same(a, b):
+    assert torch.equal(a[0], b[0]), (a[0], b[0])
+    assert [n for n in a[1] if not torch.equal(a[1][n], b[1][n])] == []
+    assert [k for k in a[2] if not torch.equal(a[2][k], b[2][k])] == []  # scaling states included
+
+
+def test_install_replaces_the_producers_that_feed_fp8_linears():
+    model, report = build(True)
+    assert report["fused"] == [f"layers.{i}.{m}" for i in range(2)
+                               for m in ("attention_norm", "ffn_norm", "feed_forward.act")]
+    assert report["unfused"] == []
+    assert isinstance(model.layers[0].attention_norm, FP8RMSNorm)
+    assert isinstance(model.layers[1].feed_forward.act, FP8SwiGLU)
+    assert type(model.norm) is RMSNorm  # the final norm feeds the (high-precision) head
+    keys = set(build(False)[0].state_dict())
+    assert set(model.state_dict()) == keys
+    # a producer feeding a linear kept in high precision stays plain
+    report = convert(_plain(), dataclasses.replace(get_recipe("fp8-tensorwise"), fused_producers=True, keep=("w2",)))
+    assert "layers.0.feed_forward.act (a linear it feeds stays high precision)" in report["unfused"]
+    assert "layers.0.ffn_norm" in report["fused"]
+
+
+def _plain() -> Llama:
+    torch.manual_seed(0)
+    return Llama(ARGS)
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_fused_step_is_the_unfused_step_bit_for_bit(autocast, checkpointing):
+    """Loss, every parameter gradient and every scaling state after one step: equal bit for bit."""
+    unfused, _ = build(False, checkpointing=checkpointing)
+    fused, _ = build(True, checkpointing=checkpointing)
+    assert_same(step(unfused, autocast=autocast), step(fused, autocast=autocast))
+
+
+def test_fused_step_keeps_the_saved_activation_codec():
+    """fp8-tensorwise-coat: the fused modules keep the norms' and SwiGLU's inputs through the recipe's codec."""
+    unfused, _ = build(False, "fp8-tensorwise-coat")
+    fused, _ = build(True, "fp8-tensorwise-coat")
+    assert fused.layers[0].ffn_norm.codec is not None
+    assert_same(step(unfused), step(fused))
+
+
+def test_no_grad_forward_and_unconvert():
+    unfused, _ = build(False)
+    fused, _ = build(True)
+    x = torch.randint(0, ARGS.vocab_size, (2, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert torch.equal(unfused(x), fused(x))
+    weight = fused.layers[0].attention_norm.weight
+    unconvert(fused)
+    assert fused.layers[0].attention_norm.weight is weight
+    assert type(fused.layers[0].attention_norm) is RMSNorm and type(fused.layers[0].feed_forward.act) is SwiGLU
+    with torch.no_grad():
+        plain = _plain()
+        plain.load_state_dict(fused.state_dict())
+        assert torch.equal(plain(x), fused(x))
+
+
+def rel_diffs(a, b) -> dict[str, float]:
+    """|a - b| / |b| of the loss and of each gradient."""
+    out = {"loss": ((a[0] - b[0]).abs() / b[0].abs()).item()}
+    out.update({n: ((a[1][n] - g).norm() / g.norm()).item() for n, g in b[1].items()})
+    return out
+
+
+@pytest.mark.slow
+def test_fused_step_compiled():
+    """Compiled, the producers are opaque calls of the CPU formulas (eager torch), while inductor compiles the
+    unfused norm's forward and both backwards with its own reduction orders: an rstd, and so an amax and a scale,
+    may differ in the last bit, and a norm weight's gradient (a sum over tokens) in the last bits. Bounded: the
+    fused compiled step is within 1e-5 (loss) and 1e-4 (each gradient, relative norm) of the unfused compiled one
+    and of its own eager step (measured against the unfused compiled step: the loss and every linear's gradient
+    equal, the norm weights' and the embedding's within 1e-7)."""
+    runs = {}
+    for fused in (False, True):
+        model, _ = build(fused, n_layers=1)
+        runs[fused] = step(model, torch.compile(model))
+        torch._dynamo.reset()
+    eager_model, _ = build(True, n_layers=1)
+    eager = step(eager_model)
+    for other in (runs[False], eager):
+        diffs = rel_diffs(runs[True], other)
+        assert diffs.pop("loss") <= 1e-5
+        assert max(diffs.values()) <= 1e-4, diffs
+
+
+@pytest.mark.parametrize("recipe, needle", [
+    ("fp8-delayed", "delayed scaling"), ("fp8-rowwise", "per row"), ("fp8-blockwise", "per block"),
+    ("mxfp8", "per mx"), ("fp4", "per row"), ("bf16", "no low-precision linears"),
+])
+def test_config_refuses_where_it_does_not_apply(capsys, recipe, needle):
+    assert_user_error(capsys, ["train", "--recipe", recipe, "--numerics.fused_producers", "true"],
+                      "numerics.fused_producers", needle)
+
+
+def test_config_refuses_delayed_override_and_tensor_parallelism(capsys):
+    assert_user_error(capsys, ["train", "--recipe", "fp8-tensorwise", "--numerics.scaling", "delayed",
+                               "--numerics.fused_producers", "true"], "numerics.fused_producers", "delayed")
+    assert_user_error(capsys, ["train", "--recipe", "fp8-tensorwise", "--numerics.fused_producers", "true",
+                               "--parallel.tp", "2"], "numerics.fused_producers", "parallel.tp")
+
+
+@pytest.mark.slow
+def test_train_with_fused_producers_from_the_command_line(tmp_path, capsys):
+    """A short run with the knob is the run without it, loss for loss."""
+    base = [*SMALL, "--recipe", "fp8-tensorwise", "--train.steps", "4", "--train.eval_every", "0",
+            "--numerics.telemetry_every", "2"]  # telemetry steps too: their inputs have no statistics
+    code, out, _ = cli(capsys, "train", *base, "--numerics.fused_producers", "true", "--run.dir", tmp_path / "on")
+    assert code == 0
+    assert "numerics.fused_producers: 6 norms and SwiGLUs write FP8; unfused: none" in out
+    assert cli(capsys, "train", *base, "--run.dir", tmp_path / "off")[0] == 0
+    assert losses(tmp_path / "on") == losses(tmp_path / "off")
+
+
+@pytest.mark.slow
+def test_bench_step_variant_fuses_the_producers(tmp_path, capsys, monkeypatch):
+    """`lowbit bench step --recipes fp8-tensorwise+numerics.fused_producers=true` converts with the producers."""
+    import json
+
+    import lowbit.numerics.recipes as recipes
+
+    fused = []
+    real = recipes.convert
+    monkeypatch.setattr(recipes, "convert", lambda model, recipe: fused.append(
+        len((out := real(model, recipe)).get("fused", []))) or out)
+    out = tmp_path / "step.json"
+    variant = "fp8-tensorwise+numerics.fused_producers=true"
+    code, _, _ = cli(capsys, "bench", "step", "--device", "cpu", "--steps", "1", "--warmup", "0", "--preset",
+                     "tiny", "--batch", "2", "--seq", "16", "--vocab", "256", "--torchao", "none", "--no-bf16",
+                     "--recipes", f"fp8-tensorwise,{variant}", "--out", out)
+    assert code == 0
+    assert fused == [0, 12]  # tiny: 4 blocks x (2 norms + SwiGLU)
+    rows = json.loads(out.read_text())["tables"]["step"]["rows"]
+    assert all("error" not in r for r in rows), rows
