@@ -117,6 +117,9 @@ class NumericsConfig:
     interval: int | None = opt(None, "delayed operands: recompute the scale every N steps; unset: the recipe's")
     margin: int | None = opt(None, "every operand: scale by 2^-margin below fmt.max / amax (headroom); unset: the "
                                    "recipe's (0)")
+    fp8_attention: bool = opt(False, "FP8 recipes: causal attention on E4M3 Q, K, V (a scale per head) and P, the "
+                                     "backward bf16's at the dequantized operands (docs/numerics.md); off until a "
+                                     "convergence study says it is safe")
 
 
 @dataclass
