@@ -195,3 +195,16 @@ def test_triton_kernel_under_the_interpreter_is_the_emulation():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", TRITON_CHECK], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("checkpointing", ["full", "selective"])
+def test_checkpointed_blocks_recompute_the_same_gradients(checkpointing):
+    x = torch.randint(0, 97, (2, 32))
+    grads = []
+    for mode in ("none", checkpointing):
+        model = tiny_model(checkpointing=mode)
+        lowbit.convert(model, "fp8-tensorwise", fp8_attention=True)
+        model(x, x).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)

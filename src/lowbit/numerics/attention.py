@@ -207,16 +207,19 @@ def math_backward(dout, q, k, v, out, lse, sm_scale: float) -> tuple[torch.Tenso
 def fp8_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                            lse: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of the forward's q, k, v: attention's backward evaluated at their dequantized E4M3 casts (the
-    cast passes gradients straight through) with the FP8 forward's out and lse. On CUDA in bf16/fp16, aten's flash
-    backward; elsewhere `math_backward`."""
-    qd, kd, vd = (dequantize_heads(*quantize_heads(t), t.dtype) for t in (q, k, v))
-    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and q.shape[-1] <= 256:
+    cast passes gradients straight through) with the FP8 forward's out and lse. On CUDA aten's flash backward in
+    bf16 (fp16 for fp16 inputs); elsewhere `math_backward`."""
+    if q.is_cuda and q.shape[-1] <= 256:
+        # in bf16 (fp16 inputs: fp16), exact for the operands: an E4M3 value times a power of two fits bf16
+        low = torch.float16 if q.dtype == torch.float16 else torch.bfloat16
+        qd, kd, vd = (dequantize_heads(*quantize_heads(t), low) for t in (q, k, v))
         L = q.shape[2]
         seed = torch.empty((), dtype=torch.int64, device=q.device)  # read only with dropout
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            dout.contiguous(), qd, kd, vd, out.contiguous(), lse.contiguous(), None, None, L, L, 0.0, True, seed,
-            seed, scale=sm_scale)
-        return dq.contiguous(), dk.contiguous(), dv.contiguous()
+            dout.to(low).contiguous(), qd, kd, vd, out.to(low).contiguous(), lse.contiguous(), None, None, L, L, 0.0,
+            True, seed, seed, scale=sm_scale)
+        return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
+    qd, kd, vd = (dequantize_heads(*quantize_heads(t), t.dtype) for t in (q, k, v))
     dq, dk, dv = math_backward(dout, qd, kd, vd, out, lse, sm_scale)
     return dq.to(q.dtype).contiguous(), dk.to(k.dtype).contiguous(), dv.to(v.dtype).contiguous()
 
