@@ -7,9 +7,10 @@ torch's SDPA (no FP8 inputs) and FA3 is a separate CUDA build, which lowbit does
 Triton or torch, no build step). Owning the kernel also lets the CPU path emulate its numerics exactly, block by
 block, so that tests and the fidelity study run anywhere, and lets the scales come from lowbit's own cast helpers.
 
-Choices. Scales per (sequence, head) rather than per tensor: heads differ in magnitude after the projections and
-RoPE, and one scale for all would push the small heads' values into E4M3's subnormals; B·H scales cost nothing.
-Powers of two: dequantization is exact, so the descale folds into the softmax's exponent constant. P to E4M3
+Choices. Scales per (sequence, head) rather than per tensor: with power-of-two scales the two round alike while
+every head stays in E4M3's normal range (rounding is relative there), but heads whose magnitudes differ by about
+2^8 or more would put the small ones into the subnormals under one scale (measured in docs/numerics.md: worst head
+11.4 dB against 26.7 dB); B·H scales cost nothing. Powers of two: dequantization is exact, so the descale folds into the softmax's exponent constant. P to E4M3
 (FA3's choice) rather than bf16: PV is half the FLOPs and an FP8 tensor core takes both operands in FP8; P lies in
 [0, 1] (relative to the running row max), so the fixed scale 256 puts it under E4M3's max 448 and moves the
 smallest representable weight from 2^-9 to 2^-17. The row sum l is of the fp32 P (as FA3's), so the log-sum-exp
