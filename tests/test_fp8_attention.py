@@ -15,7 +15,8 @@ from conftest import SMALL, assert_user_error, cli, losses
 from lowbit.errors import LowbitError
 from lowbit.models.llama import CausalSDPA, Llama, ModelArgs
 from lowbit.numerics import kernels
-from lowbit.numerics.attention import FP8Attention, dequantize_heads, emulate, math_backward, quantize_heads
+from lowbit.numerics.attention import (FP8Attention, dequantize_heads, math_backward, quantize_heads,
+                                      runs_kernel)
 
 E4M3 = torch.float8_e4m3fn
 
@@ -54,6 +55,7 @@ def reference(q, k, v, sm_scale: float, block_n: int = 64) -> tuple[torch.Tensor
 
 def test_cpu_op_is_the_fp8_reference_exactly():
     q, k, v = qkv(0, (2, 3, 100, 32))  # 100: a last key block of 36
+    assert not runs_kernel(q)  # the CPU: the emulation
     q[0, 1] *= 1e-3  # a small head keeps its own scale
     out, lse = torch.ops.lowbit.fp8_attention(q, k, v, 0.125)
     ref_out, ref_lse = reference(q, k, v, 0.125)

@@ -87,10 +87,11 @@ def emulate(q8, k8, v8, q_si, k_si, v_si, sm_scale: float, block_n: int = BLOCK_
     return out, (m + torch.log2(l_sum)) / LOG2E
 
 
-def _on_gpu(q: torch.Tensor) -> bool:
-    """The Triton kernel applies: eager on a GPU with Triton and FP8, a head size tl.dot takes."""
-    D = q.shape[-1]
-    return kernels.usable(q) and D in (16, 32, 64, 128, 256)
+def runs_kernel(q: torch.Tensor) -> bool:
+    """Whether the op runs the Triton kernel for `q`: on a GPU where lowbit's kernels run (Triton, FP8, not
+    LOWBIT_TRITON=0), a head size tl.dot takes. Any layout: the casts write contiguous FP8 copies (the model's q
+    is a transposed view), so the check is asked of a contiguous tensor like q."""
+    return q.shape[-1] in (16, 32, 64, 128, 256) and kernels.usable(q.new_empty(1))
 
 
 # Triton's CPU interpreter rounds fp32 -> E4M3 wrongly where rounding carries into the next binade (124.2 -> 64,
@@ -178,9 +179,9 @@ def triton_forward(q8, k8, v8, q_si, k_si, v_si, sm_scale: float, out_dtype: tor
 def fp8_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sm_scale: float) -> tuple[torch.Tensor,
                                                                                                 torch.Tensor]:
     """Causal attention of q, k, v [B, H, L, D] on their E4M3 casts: (out [B, H, L, D] in q's dtype, lse [B, H, L]
-    fp32). The Triton kernel where `_on_gpu`, else `emulate` (the same numerics)."""
+    fp32). The Triton kernel where `runs_kernel`, else `emulate` (the same numerics)."""
     (q8, q_si), (k8, k_si), (v8, v_si) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
-    if _on_gpu(q):
+    if runs_kernel(q):
         return triton_forward(q8, k8, v8, q_si, k_si, v_si, sm_scale, q.dtype)
     out, lse = emulate(q8, k8, v8, q_si, k_si, v_si, sm_scale)
     return out.to(q.dtype), lse
