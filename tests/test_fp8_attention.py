@@ -210,3 +210,14 @@ def test_checkpointed_blocks_recompute_the_same_gradients(checkpointing):
         grads.append([p.grad.clone() for p in model.parameters()])
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def test_compiled_core_keeps_the_op_and_its_gradients():
+    q, k, v = (t.requires_grad_() for t in qkv(4, (1, 2, 24, 16)))
+    core = FP8Attention()
+    eager = core(q, k, v)
+    compiled = torch.compile(core, fullgraph=True)(q, k, v)
+    assert torch.equal(compiled, eager)  # the op is one opaque call: the same emulation runs
+    g = torch.randn_like(eager)
+    for a, b in zip(torch.autograd.grad(compiled, (q, k, v), g), torch.autograd.grad(eager, (q, k, v), g)):
+        assert torch.equal(a, b)
