@@ -132,6 +132,9 @@ STEPS: tuple[Step, ...] = (
     Step("performer", "Performer against SDPA flash attention",
          ("python3 benchmarks/performer.py --chunks 256,1024 --profile 16384 --out {out}/performer_{dev}.json",),
          ("performer_{dev}.json",)),
+    Step("attention-fp8", "causal attention: SDPA bf16 flash against numerics.fp8_attention, fwd and fwd+bwd, 2k-16k",
+         (bench("attention --seqs 2048,4096,8192,16384 --steps 20 --warmup 5", "attention_fp8_{dev}.json"),),
+         ("attention_fp8_{dev}.json",)),
     Step("optim-cpu", "the update of one 4096x11008 weight on the CPU",
          (bench("optim --device cpu --shape 4096x11008 --steps 5 --torchao none "
                 "--recipes fp8lm-o2,fp8lm-o3,nanotron-r2,fp4,fp8lm-o2+optim.weights=bf16,fp8lm-o2+optim.scales=bound",

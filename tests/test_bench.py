@@ -21,10 +21,11 @@ SHAPES = {
     "step": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "memory": ["--preset", "tiny", "--batch", "2", "--seq", "16", "--vocab", "256"],
     "optim": ["--preset", "tiny", "--seq", "16", "--vocab", "256", "--recipes", "fp8-tensorwise,fp8lm-o2"],
+    "attention": ["--seqs", "32,48", "--heads", "2", "--head-dim", "16", "--tokens", "64"],
 }
 TABLE = {"kernels": "cast_transpose",
          "gemm": "gemm", "linear": "linear", "mlp": "mlp", "block": "block", "step": "step", "memory": "memory",
-         "optim": "optim"}
+         "optim": "optim", "attention": "attention"}
 
 
 @pytest.mark.parametrize("what", list(SHAPES))
@@ -43,7 +44,10 @@ def test_bench_subcommand(what, tmp_path, capsys):
     rows = doc["tables"][TABLE[what]]["rows"]
     assert all("error" not in r for r in rows), rows
     names = {r["variant"] for r in rows}
-    if what == "gemm":
+    if what == "attention":  # each length, both passes, both variants, the FP8 one with its ratio to bf16
+        assert names == {"bf16 sdpa", "lowbit fp8"} and len(rows) == 2 * 2 * 2
+        assert all(r["speedup_vs_bf16"] > 0 for r in rows) and {r["batch"] for r in rows} == {2, 1}
+    elif what == "gemm":
         assert {"bf16", "fp8 tensorwise"} <= names
         assert len(rows) == 4 * len(mlp_gemm_shapes(32, 32, 64))
     elif what == "kernels":  # on the CPU: the op's torch formula; no floor without a known GPU
@@ -60,9 +64,9 @@ def test_bench_subcommand(what, tmp_path, capsys):
         assert all(r["speedup_vs_bf16"] > 0 for r in fused)
     else:
         assert {"bf16", "lowbit fp8-tensorwise"} <= names
-    if what not in ("gemm", "kernels") and torchao_module() is None:
+    if what not in ("gemm", "kernels", "attention") and torchao_module() is None:
         assert "torchao is not installed" in stdout
-    if what in ("gemm", "linear", "mlp", "block", "step", "optim"):
+    if what in ("gemm", "linear", "mlp", "block", "step", "optim", "attention"):
         assert all(r["ms"] > 0 and len(r["ms_each"]) == 1 for r in rows if r["variant"] != "memory floor (one pass)")
     if what == "mlp":
         quantize = doc["tables"]["quantize"]["rows"]

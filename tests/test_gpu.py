@@ -816,3 +816,39 @@ def test_fused_producers_step_matches_the_unfused_step_on_gpu(compiled):
     for n, g in ref.items():
         err_u, err_f = ((t[n] - g).norm() / g.norm() for t in (unfused, fused))
         assert err_f <= 2 * err_u + 0.02, (n, err_f.item(), err_u.item())
+
+
+@pytest.mark.parametrize("L,D", [(1000, 128), (2048, 64)])
+def test_fp8_attention_kernel_matches_its_emulation_and_bf16_attention_on_gpu(L, D):
+    from lowbit.numerics import attention as A
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    assert A.runs_kernel(q) and A.runs_kernel(q.transpose(1, 2).contiguous().transpose(1, 2))  # the model's view
+    ops = [*A.quantize_heads(q), *A.quantize_heads(k), *A.quantize_heads(v)]
+    sm = 1 / math.sqrt(D)
+    out, lse = A.triton_forward(*ops, sm, torch.float32)
+    ref, ref_lse = A.emulate(*ops, sm)
+    # the same blocks and order of operations: what differs is the MMA's order of fp32 sums and exp2's last bits
+    # (ex2.approx), which can move one P across an E4M3 rounding boundary; a moved P shifts its row by at most
+    # 2^-4 of that key's weight
+    snr = lambda ref, x: 10 * torch.log10(ref.double().square().sum() / (x.double() - ref.double()).square().sum())
+    assert snr(ref, out) > 60
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-4)
+    core = torch.compile(A.FP8Attention(), fullgraph=True)
+    got = core(q, k, v)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, A.FP8Attention()(q, k, v))  # the op, kept whole
+    g = torch.randn_like(got)
+    grads = torch.autograd.grad(got, (q, k, v), g)
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    exact_grads = torch.autograd.grad(exact, (q, k, v), g)
+    # the CPU's bounds (tests/test_fp8_attention.py), 1 dB lower for bf16's own rounding of the reference
+    assert snr(exact, got) > 24
+    for a, b, bound in zip(grads, exact_grads, (23, 23, 27)):
+        assert snr(b, a) > bound
+    # the backward is attention's at the dequantized operands with the FP8 out and lse: the math formula's
+    qd, kd, vd = (A.dequantize_heads(*A.quantize_heads(t), torch.float32) for t in (q, k, v))
+    out16, lse16 = torch.ops.lowbit.fp8_attention(q, k, v, sm)
+    for a, b in zip(grads, A.math_backward(g, qd, kd, vd, out16, lse16, sm)):
+        assert snr(b, a) > 35  # flash's bf16 backward against fp32 math

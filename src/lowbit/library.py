@@ -16,19 +16,21 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
+from lowbit.numerics.attention import unswap_attention
 from lowbit.numerics.fused_producers import remove_fused_producers
 from lowbit.numerics.linear import LowPrecisionLinear
 from lowbit.numerics.recipes import Recipe, convert as convert_recipe, get_recipe, param_groups, with_filters
 from lowbit.optim.adamw import LowbitAdamW
 from lowbit.optim.scaled_weight import ScaledFP16Weight
 
-FILTERS = ("keep_lm_head", "keep_first_last", "min_dim", "keep", "filter")
+FILTERS = ("keep_lm_head", "keep_first_last", "min_dim", "keep", "filter", "fp8_attention")
 
 
 def recipe_with(recipe: str | Recipe, **filters) -> Recipe:
     """The Recipe named `recipe` (or `recipe` itself), with the module filters given as keywords: keep_lm_head,
     keep_first_last, min_dim, keep (names or globs: a tuple, or one string separated by commas) and filter (a
-    callable(module, name) that returns False to leave that linear in high precision)."""
+    callable(module, name) that returns False to leave that linear in high precision), and fp8_attention (True: the
+    causal attention cores on FP8 operands, lowbit.numerics.attention; FP8 recipes only)."""
     unknown = sorted(set(filters) - set(FILTERS))
     if unknown:
         raise LowbitError(f"{', '.join(unknown)}: not a module filter ({', '.join(FILTERS)} are)")
@@ -81,8 +83,9 @@ def unconvert(model: nn.Module) -> nn.Module:
     the optimizer stored scaled back to a plain tensor, the FP8 norms and SwiGLU (numerics.fused_producers) back
     to plain ones, no saved-activation codec. The state_dict then holds the
     original keys only (no `*.scaling.*`), so a HF model saves and reloads as plain HF. Meant for the end of
-    training: an optimizer built before no longer holds the scaled weights."""
+    training: an optimizer built before no longer holds the scaled weights. FP8 attention cores go back to SDPA."""
     remove_fused_producers(model)
+    unswap_attention(model)
     for name, module in list(model.named_modules()):
         if isinstance(module, LowPrecisionLinear):
             plain = nn.Linear(module.in_features, module.out_features, bias=False, device="meta")

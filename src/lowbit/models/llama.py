@@ -329,6 +329,8 @@ def _selective_policy():
                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
         if hasattr(aten, name):
             keep.add(getattr(aten, name).default)
+    if hasattr(torch.ops.lowbit, "fp8_attention"):  # numerics.fp8_attention's core, where it is loaded
+        keep.add(torch.ops.lowbit.fp8_attention.default)
 
     def policy(ctx, op, *args, **kwargs):
         return CheckpointPolicy.MUST_SAVE if op in keep else CheckpointPolicy.PREFER_RECOMPUTE

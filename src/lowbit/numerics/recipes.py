@@ -11,6 +11,7 @@ from typing import Callable
 from torch import nn
 
 from lowbit.numerics.activations import compress_saved_activations
+from lowbit.numerics.attention import swap_attention
 from lowbit.errors import LowbitError
 from lowbit.numerics.fp4 import DGE, OCC, check_fp4_dims
 from lowbit.numerics.fused_producers import install_fused_producers
@@ -37,6 +38,9 @@ class Recipe:
     saved_activations: Scaling | None = None
     # the blocks' norms and SwiGLU write their output as FP8 for the linears reading it (numerics.fused_producers)
     fused_producers: bool = False
+    # numerics.fp8_attention: the causal attention cores on E4M3 Q, K, V and P (lowbit.numerics.attention); needs
+    # FP8 linears. Off in every named recipe until a convergence study says otherwise.
+    fp8_attention: bool = False
 
 
 def _fp8(inp: Scaling, weight: Scaling, grad: Scaling, **kw) -> LinearRecipe:
@@ -266,11 +270,19 @@ def param_groups(model: nn.Module, recipe: Recipe, precision: StatePrecision | N
     return [g for g in groups if g["params"]]
 
 
+def is_fp8(recipe: Recipe) -> bool:
+    """The recipe's linears compute in FP8 (E4M3/E5M2 operands): what numerics.fp8_attention goes with."""
+    lin = recipe.linear
+    return lin is not None and all(s.format.name in ("e4m3", "e5m2") for s in (lin.input, lin.weight,
+                                                                              lin.grad_output))
+
+
 def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
     """Swap eligible nn.Linear modules of `model` (in place) for LowPrecisionLinear with the recipe's numerics.
-    Returns {"converted": [names], "kept": ["name (reason)"]} (and "compressed": the modules whose saved activations
-    the recipe stores compressed; with `fused_producers`, "fused" and "unfused": install_fused_producers'). Embeddings
-    are not linears and stay as they are."""
+    Returns {"converted": [names], "kept": ["name (reason)"]} (and "compressed": the modules whose saved
+    activations the recipe stores compressed; "fp8_attention": the attention cores swapped for FP8 ones; with
+    `fused_producers`, "fused" and "unfused": install_fused_producers'). Embeddings are not linears and stay as they
+    are."""
     report = {"converted": [], "kept": []}
     tree = checked_tree(model, recipe)
     if recipe.saved_activations is not None:
@@ -278,6 +290,11 @@ def convert(model: nn.Module, recipe: Recipe) -> dict[str, list[str]]:
         skip = (lambda name: name.startswith(tree.edges) or not name.startswith(tree.blocks)) \
             if recipe.keep_first_last else (lambda name: False)
         report["compressed"] = compress_saved_activations(model, recipe.saved_activations, skip)
+    if recipe.fp8_attention:
+        if not is_fp8(recipe):
+            raise LowbitError(f"fp8_attention: recipe {recipe.name} has no FP8 linears (an FP8 recipe such as "
+                              f"fp8-tensorwise)")
+        report["fp8_attention"] = swap_attention(model)
     if recipe.linear is None:
         return report
     linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]

@@ -119,6 +119,9 @@ class NumericsConfig:
                                    "recipe's (0)")
     fused_producers: bool = opt(False, "the blocks' RMSNorms and SwiGLU write their output directly as FP8 for the "
                                        "linears reading it (recipes with one current scale per tensor on the input)")
+    fp8_attention: bool = opt(False, "FP8 recipes: causal attention on E4M3 Q, K, V (a scale per head) and P, the "
+                                     "backward bf16's at the dequantized operands (docs/numerics.md); off until a "
+                                     "convergence study says it is safe")
 
 
 @dataclass

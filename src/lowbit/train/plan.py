@@ -13,7 +13,8 @@ from lowbit.distributed.mesh import check_layout
 from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, resolve_model_args
 from lowbit.numerics.fused_producers import unsupported
-from lowbit.numerics.recipes import Recipe, check_keep, get_recipe, keep_patterns, with_dge, with_filters, with_scaling
+from lowbit.numerics.recipes import (Recipe, check_keep, get_recipe, is_fp8, keep_patterns, with_dge, with_filters,
+                                    with_scaling)
 from lowbit.optim.precision import StatePrecision
 from lowbit.train.config import Config, read_config
 
@@ -40,6 +41,8 @@ def check(cfg: Config) -> Recipe:
         _check_dropout(cfg)
     if cfg.numerics.fused_producers:
         _check_fused_producers(cfg, recipe)
+    if cfg.numerics.fp8_attention:
+        _check_fp8_attention(cfg, recipe)
     # Shape checks (dim % heads, heads % kv-heads) need the preset merged: models.llama does them.
     args = resolve_model_args(cfg.model, vocab_size=cfg.model.vocab_size or 256, seq_len=cfg.data.seq_len)
     check_layout(cfg, args, recipe.optim)
@@ -71,6 +74,18 @@ def _check_fused_producers(cfg: Config, recipe: Recipe) -> None:
                           "rank's shard's); set numerics.fused_producers=false")
 
 
+def _check_fp8_attention(cfg: Config, recipe: Recipe) -> None:
+    """numerics.fp8_attention replaces the exact causal SDPA core: not the ring's, FAVOR+'s or one with dropout,
+    and only beside FP8 linears."""
+    why = {"parallel.cp > 1": (cfg.parallel.cp > 1, "the ring attention runs its own blocks"),
+           "model.attention performer": (cfg.model.attention != "sdpa", "FAVOR+ has no softmax attention"),
+           "model.dropout > 0": (cfg.model.dropout > 0, "the FP8 kernel has no attention dropout"),
+           f"recipe {cfg.recipe}": (not is_fp8(recipe), "its linears are not FP8; pick an FP8 recipe")}
+    for key, (found, reason) in why.items():
+        if found:
+            raise LowbitError(f"numerics.fp8_attention: not with {key} ({reason})")
+
+
 def _check_keep(cfg: Config) -> None:
     """numerics.keep, normalized (a config that differs only in spacing or repeats is the same config), against
     the linears of the configured model: built on the meta device (no memory, no data: the vocabulary is a
@@ -89,7 +104,7 @@ def resolve_recipe(cfg: Config) -> Recipe:
     that are set."""
     n = cfg.numerics
     recipe = with_filters(get_recipe(cfg.recipe), keep_lm_head=n.keep_lm_head, keep_first_last=n.keep_first_last,
-                          min_dim=n.min_dim, keep=n.keep)
+                          min_dim=n.min_dim, keep=n.keep, fp8_attention=n.fp8_attention)
     recipe = with_scaling(with_dge(recipe, n.dge_k, n.dge_clamp), n.scaling, n.history, n.interval, n.margin)
     recipe = dataclasses.replace(recipe, fused_producers=n.fused_producers)
     fields = {f.name for f in dataclasses.fields(StatePrecision)}

@@ -1,4 +1,4 @@
-"""`lowbit bench gemm | linear | mlp | block | step | memory | optim`: bf16, lowbit's recipes and (where installed)
+"""`lowbit bench gemm | linear | mlp | block | step | memory | optim | attention`: bf16, lowbit's recipes and (where installed)
 float8 recipes measured in one process; each prints its tables with the device, torch version, date and command,
 and --out writes them as JSON with the same metadata.
 
@@ -23,17 +23,19 @@ WHAT = {
     "step": "a training step of a preset per recipe: tokens/s, MFU, peak memory",
     "memory": "bytes saved for backward by a preset's forward per recipe, and peak memory",
     "optim": "the optimizer step alone per recipe on a preset's parameters: ms, GB/s against the bytes it moves",
+    "attention": "causal attention fwd and fwd+bwd per sequence length: SDPA bf16 (flash) against lowbit's FP8",
 }
 
 # (GPU default, CPU default) of each shape option
-DEFAULTS = {"tokens": (16384, 256), "dim": (4096, 256), "hidden": (11008, 768), "preset": ("1b", "tiny"),
+DEFAULTS = {"seqs": ("2048,4096,8192,16384", "64,128"), "heads": (32, 2), "head_dim": (128, 32),
+            "tokens": (16384, 256), "dim": (4096, 256), "hidden": (11008, 768), "preset": ("1b", "tiny"),
             "batch": (8, 2), "seq": (2048, 64), "vocab": (32000, 512), "steps": (20, 3), "warmup": (5, 1)}
 
 
 def _common(p: argparse.ArgumentParser, what: str) -> None:
     """The options `what` reads, and no others (gemm times fixed kernels: no recipes, nothing to compile; memory
     counts one forward: nothing to time)."""
-    if what not in ("gemm", "kernels"):
+    if what not in ("gemm", "kernels", "attention"):
         p.add_argument("--recipes", default="bf16,fp8-tensorwise",
                        help="lowbit recipes, comma-separated (bf16 is measured first unless --no-bf16: ratios are "
                             "to it)" + ("; an entry RECIPE+section.key=value trains with that setting, e.g. "
@@ -73,6 +75,15 @@ def _kernel_shape(p: argparse.ArgumentParser) -> None:
                                                           "CPU 768)")
 
 
+def _attention_shape(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--seqs", default=None, help="sequence lengths, comma-separated (GPU 2048,4096,8192,16384; CPU "
+                                                "64,128)")
+    p.add_argument("--tokens", type=int, default=None, help="tokens per batch: batch = tokens // seq, at least 1 "
+                                                            "(GPU 16384, CPU 256)")
+    p.add_argument("--heads", type=int, default=None, help="attention heads (GPU 32, CPU 2)")
+    p.add_argument("--head-dim", type=int, default=None, help="head size (GPU 128, CPU 32)")
+
+
 def _preset_shape(p: argparse.ArgumentParser, vocab: bool) -> None:
     p.add_argument("--preset", default=None, help="model preset (GPU 1b, CPU tiny)")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (GPU 8, CPU 2)")
@@ -92,6 +103,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
             _mlp_shape(s)
         elif what == "kernels":
             _kernel_shape(s)
+        elif what == "attention":
+            _attention_shape(s)
         else:
             _preset_shape(s, vocab=what != "block")
         if what == "optim":
@@ -124,6 +137,13 @@ def _shape(text: str) -> tuple[int, int] | None:
     return int(parts[0]), int(parts[1])
 
 
+def _seqs(text: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    if not parts or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise LowbitError(f"bench: --seqs {text!r} is not a list of lengths, e.g. 2048,4096")
+    return [int(p) for p in parts]
+
+
 def _resolve(a: argparse.Namespace, device) -> None:
     """Defaults for the device, and every check of the input, before anything is measured or written."""
     from lowbit.tools.bench.common import STEP_SETTINGS, lowbit_recipes, torchao_recipes
@@ -139,7 +159,7 @@ def _resolve(a: argparse.Namespace, device) -> None:
         a.compile = gpu
     if getattr(a, "max_batch", 0) < 0:
         raise LowbitError("bench: --max-batch must be 0 (off) or more")
-    for key in ("steps", "tokens", "dim", "hidden", "batch", "seq", "vocab"):
+    for key in ("steps", "tokens", "dim", "hidden", "batch", "seq", "vocab", "heads", "head_dim"):
         if getattr(a, key, 1) < 1:
             raise LowbitError(f"bench: --{key} must be at least 1")
     if getattr(a, "warmup", 0) < 0:
@@ -152,7 +172,9 @@ def _resolve(a: argparse.Namespace, device) -> None:
             raise LowbitError(f"bench: --update {a.update} needs a GPU with Triton (LOWBIT_TRITON not 0)")
     if a.what in ("block", "step", "memory", "optim"):  # once, so a bad --preset/--vocab is a user error, not a row per variant
         a.model_args = preset_args(a.preset, a.seq, getattr(a, "vocab", 32000))
-    if a.what not in ("gemm", "kernels"):
+    if a.what == "attention":
+        a.seq_list = _seqs(a.seqs)
+    if a.what not in ("gemm", "kernels", "attention"):
         settings = {"step": STEP_SETTINGS, "optim": ("--optim.",)}.get(a.what, ())  # what a variant may set
         a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16, variants=settings)
         a.torchao_list = torchao_recipes(a.torchao)
@@ -169,7 +191,8 @@ def run(a: argparse.Namespace) -> int:
     _resolve(a, device)
     torch.manual_seed(0)
     argv = getattr(a, "argv", None) or sys.argv[1:]
-    config = {k: v for k, v in vars(a).items() if k not in ("recipe_list", "torchao_list", "model_args", "argv")}
+    config = {k: v for k, v in vars(a).items() if k not in ("recipe_list", "torchao_list", "model_args", "argv",
+                                                             "seq_list")}
     report = Report(a.what, metadata(device, argv), config, a.out)
     if a.what == "gemm":
         from lowbit.tools.bench.kernels import run_gemm as fn
@@ -185,6 +208,8 @@ def run(a: argparse.Namespace) -> int:
         from lowbit.tools.bench.step import run_step as fn
     elif a.what == "optim":
         from lowbit.tools.bench.optim import run_optim as fn
+    elif a.what == "attention":
+        from lowbit.tools.bench.attention import run_attention as fn
     else:
         from lowbit.tools.bench.memory import run_memory as fn
     fn(a, device, report)
