@@ -91,8 +91,9 @@ STEPS: tuple[Step, ...] = (
     Step("step-1b", "the 1b step: bf16, fp8-tensorwise, torchao, alone and in a row",
          (bench(f"{S1B} --recipes bf16,fp8-tensorwise --torchao tensorwise", "step_1b_torchao_{dev}.json"),),
          ("step_1b_torchao_{dev}.json",)),
-    Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers)",
-         (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,fp8-delayed "
+    Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers and FP8 attention)",
+         (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,"
+                "fp8-tensorwise+numerics.fused_producers=true+numerics.fp8_attention=true,fp8-delayed "
                 "--torchao tensorwise --profile",
                 "step_1b_profile_{dev}.json"),), ("step_1b_profile_{dev}.json",)),
     Step("recipes-1b", "the 1b step of fp8lm-o2, nanotron-r2 and fp4 beside fp8-tensorwise",
@@ -135,6 +136,9 @@ STEPS: tuple[Step, ...] = (
     Step("attention-fp8", "causal attention: SDPA bf16 flash against numerics.fp8_attention, fwd and fwd+bwd, 2k-16k",
          (bench("attention --seqs 2048,4096,8192,16384 --steps 20 --warmup 5", "attention_fp8_{dev}.json"),),
          ("attention_fp8_{dev}.json",)),
+    Step("ring-1gpu", "context parallelism's block schedule on one GPU against one SDPA flash call (32k-128k), and "
+         "the 1b model's memory per token with it (what benchmarks/cp_memory.py predicts from)",
+         ("python3 benchmarks/ring_attention.py --out {out}/ring_attention_{dev}.json",), ("ring_attention_{dev}.json",)),
     Step("optim-cpu", "the update of one 4096x11008 weight on the CPU",
          (bench("optim --device cpu --shape 4096x11008 --steps 5 --torchao none "
                 "--recipes fp8lm-o2,fp8lm-o3,nanotron-r2,fp4,fp8lm-o2+optim.weights=bf16,fp8lm-o2+optim.scales=bound",
