@@ -28,6 +28,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -331,7 +332,11 @@ def run_step(s: Step, out: Path, limit_s: int, extra: list[str]) -> list[str]:
     dev = device_tag(s.gpus)
     log = out / (s.outputs[0].split("#")[0].replace(DEV, dev).removesuffix(".json") + "_log.txt")
     path = extra + [str(ROOT / "src")] + [x for x in [os.environ.get("PYTHONPATH")] if x]
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path)}
+    # `python3` in a command is this interpreter (a virtual environment's, say), not the first one on the PATH
+    bindir = os.path.dirname(sys.executable)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(path),
+           "PATH": os.pathsep.join([bindir, os.environ.get("PATH", "")])}
+    started = time.time()
     where = os.path.relpath(out, ROOT) if out.is_relative_to(ROOT) else str(out)
     with log.open("w") as f:
         for c in commands(s, where, dev):
@@ -340,7 +345,8 @@ def run_step(s: Step, out: Path, limit_s: int, extra: list[str]) -> list[str]:
                                 stderr=subprocess.STDOUT).returncode
             print(f"   exit {rc}", flush=True)
     written = [o.split("#")[0].replace(DEV, dev) for o in s.outputs]
-    return [w for w in dict.fromkeys(written) if (out / w).exists()]
+    # a file from an earlier run that this one did not rewrite (a failed command) is not this run's result
+    return [w for w in dict.fromkeys(written) if (out / w).exists() and (out / w).stat().st_mtime >= started]
 
 
 def main(argv: list[str] | None = None) -> int:
