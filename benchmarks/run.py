@@ -82,6 +82,10 @@ STEPS: tuple[Step, ...] = (
     Step("step-7b", "the 7b training step, 4 x 2048, beside bf16 and torchao",
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes bf16,fp8-tensorwise,fp8lm-o2,"
                 "fp8lm-o2+optim.scales=bound --torchao tensorwise", "step_7b_{dev}.json"),), ("step_7b_{dev}.json",)),
+    Step("fused-7b", "the 7b training step, 4 x 2048, with the fused FP8 producers, beside bf16 and torchao",
+         (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes bf16,fp8-tensorwise,"
+                "fp8-tensorwise+numerics.fused_producers=true --torchao tensorwise", "step_7b_fused_{dev}.json"),),
+         ("step_7b_fused_{dev}.json",)),
     Step("build-7b", "building the 7b model (the build s column)",
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes fp8-tensorwise,fp8lm-o2 "
                 "--no-bf16 --torchao none", "step_7b_build_{dev}.json"),), ("step_7b_build_{dev}.json",)),
