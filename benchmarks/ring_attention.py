@@ -146,6 +146,29 @@ def model_rows(lengths: list[int], policies: list[str], cp: int) -> list[dict]:
     return rows
 
 
+ATTENTION_COLUMNS = [["length", "tokens", ",d"], ["variant", "schedule", ""], ["ms", "fwd+bwd ms", ".2f"],
+                     ["vs_sdpa", "vs SDPA flash", ".3f"], ["peak_gib", "peak GiB above inputs", ".2f"],
+                     ["rel_out", "rel. err out", ""], ["rel_dq", "dQ", ""], ["rel_dk", "dK", ""], ["rel_dv", "dV", ""]]
+MODEL_COLUMNS = [["policy", "checkpointing", ""], ["length", "tokens", ",d"], ["ms", "step ms", ".1f"],
+                 ["fixed_gib", "fixed GiB", ".2f"], ["peak_above_fixed_gib", "peak above fixed GiB", ".2f"]]
+
+
+def tables(report: dict) -> dict:
+    """The report's rows as benchmarks/report.py renders them (the "tables" of a `lowbit bench` JSON)."""
+    att = [dict(length=r["length"], ms=r["ms"], peak_gib=r["peak_gib"], vs_sdpa=r.get("vs_sdpa"),
+                variant="SDPA flash, one call" if r["impl"] == "sdpa-flash" else f"ring cp{r['cp']} {r['layout']}",
+                **{f"rel_{n}": e for n, e in r.get("rel_err", {}).items()}) for r in report["attention"]]
+    cp = report["model"][0]["cp_schedule"] if report["model"] else 1
+    return {"attention": dict(title=f"causal attention, {report['heads']} heads x {report['head_dim']}, batch 1, "
+                                    "bf16, one GPU", columns=ATTENTION_COLUMNS, rows=att,
+                              notes=["rel. err: the largest |ring - SDPA| over the largest |SDPA| (SDPA's own bf16 "
+                                     "rounding is of the same order)"]),
+            "model": dict(title=f"`1b` model, one sequence per step, the ring schedule (cp{cp}) as its attention "
+                                "core, 16 bytes/param", columns=MODEL_COLUMNS, rows=report["model"],
+                          notes=["fixed: weights, gradients and AdamW states before a step; what benchmarks/"
+                                 "cp_memory.py fits bytes per token to"])}
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
@@ -166,6 +189,8 @@ def main(argv=None) -> None:
                   command=" ".join(sys.argv), heads=HEADS, head_dim=HEAD_DIM)
     report["attention"] = attention_rows(a.lengths, a.cps, a.layouts.split(","), a.reps)
     report["model"] = model_rows(a.model_lengths, [p for p in a.policies.split(",") if p], a.model_cp)
+    report["meta"] = {k: report[k] for k in ("device", "torch", "date", "command")}
+    report["tables"] = tables(report)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
     print(f"wrote {a.out}")
