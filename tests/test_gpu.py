@@ -825,7 +825,8 @@ def test_fp8_attention_kernel_matches_its_emulation_and_bf16_attention_on_gpu(L,
     torch.manual_seed(0)
     q, k, v = (torch.randn(2, 4, L, D, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     assert A.runs_kernel(q) and A.runs_kernel(q.transpose(1, 2).contiguous().transpose(1, 2))  # the model's view
-    ops = [*A.quantize_heads(q), *A.quantize_heads(k), *A.quantize_heads(v)]
+    (q8, q_si), (k8, k_si), (v8, v_si) = A.quantize_heads(q), A.quantize_heads(k), A.quantize_heads(v)
+    ops = (q8, k8, v8, q_si, k_si, v_si)  # triton_forward's and emulate's order: the data, then the scales
     sm = 1 / math.sqrt(D)
     out, lse = A.triton_forward(*ops, sm, torch.float32)
     ref, ref_lse = A.emulate(*ops, sm)
