@@ -101,6 +101,9 @@ STEPS: tuple[Step, ...] = (
                 "fp8-tensorwise+numerics.fused_producers=true+numerics.fp8_attention=true,fp8-delayed "
                 "--torchao tensorwise --profile",
                 "step_1b_profile_{dev}.json"),), ("step_1b_profile_{dev}.json",)),
+    Step("producers-1b", "the fused FP8 producers' host and GPU time per call at the 1b shapes",
+         ("python3 benchmarks/producer_launch.py --out {out}/producer_launch_{dev}.json",),
+         ("producer_launch_{dev}.json",)),
     Step("recipes-1b", "the 1b step of fp8lm-o2, nanotron-r2 and fp4 beside fp8-tensorwise",
          ("TORCH_LOGS=recompiles " + bench(f"{S1B} --no-bf16 --torchao none --profile "
                                            "--recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4",

@@ -830,11 +830,11 @@ def test_fp8_attention_kernel_matches_its_emulation_and_bf16_attention_on_gpu(L,
     sm = 1 / math.sqrt(D)
     out, lse = A.triton_forward(*ops, sm, torch.float32)
     ref, ref_lse = A.emulate(*ops, sm)
-    # the same blocks and order of operations: what differs is the MMA's order of fp32 sums and exp2's last bits
-    # (ex2.approx), which can move one P across an E4M3 rounding boundary; a moved P shifts its row by at most
-    # 2^-4 of that key's weight
+    # the same blocks and order of operations: what differs is the MMA's sums (Hopper's FP8 MMA accumulates with
+    # fewer bits than fp32: 52.7 dB measured on an H200 at L=1000, D=128) and exp2's last bits, which can move a P
+    # across an E4M3 rounding boundary (one P moves by up to 2^-4 of its weight); the emulation is exact fp32
     snr = lambda ref, x: 10 * torch.log10(ref.double().square().sum() / (x.double() - ref.double()).square().sum())
-    assert snr(ref, out) > 60
+    assert snr(ref, out) > 45
     torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-4)
     core = torch.compile(A.FP8Attention(), fullgraph=True)
