@@ -1,15 +1,14 @@
 """Host cost of the fused FP8 producers (numerics.fused_producers) per call, beside the GPU time they save.
 
-    python benchmarks/producer_launch.py [--tokens 16384] [--dim 2048] [--hidden 5632] [--calls 200]
+    python benchmarks/producer_launch.py [--tokens 16384] [--dim 2048] [--hidden 5632] [--calls 50]
                                          [--out producer_launch.json]
 
 For RMSNorm [tokens, dim] and SwiGLU [tokens, hidden] in bf16 (the `1b` step's shapes by default), each way of
 producing the FP8 operand: the unfused torch path (the norm or product, then lowbit's amax and cast kernels), the
-custom ops called eagerly (`torch.ops.lowbit.*`), the launch functions they wrap (no custom-op dispatch), and the
-same producer compiled (torch.compile of a function calling it, as the compiled blocks do), and a candidate: the
-norm's two passes as one `torch.library.triton_op`, which inductor launches from its own code. `host_us`: the CPU's
-time to issue one call (many calls issued back to back, measured before the GPU is waited for); `gpu_us`: CUDA
-events around the same calls. A producer whose host_us exceeds its gpu_us leaves the GPU idle unless other work is
+ops called eagerly (`torch.ops.lowbit.*`, triton_ops), the launch functions they wrap (no op dispatch), and the
+same producer compiled (torch.compile of a function calling it, as the compiled blocks do: inductor launches the
+ops' kernels from its own code). `host_us`: the CPU's time to issue one call while a sleep kernel keeps the GPU
+busy; `gpu_us`: the GPU time of the same calls, run back to back behind that sleep. A producer whose host_us exceeds its gpu_us leaves the GPU idle unless other work is
 queued ahead of it: what the fused step's GPU idle time is made of.
 """
 
@@ -25,17 +24,18 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.numerics import kernels, producers
-
-triton = kernels.triton
 from lowbit.numerics.scaling import Scaling, scale_from_amax
 
 S = Scaling("e4m3")
 
 
 def timed(fn, calls: int) -> dict:
+    """host_us: the time to issue one call while the GPU is held busy by a sleep (so the host never waits for
+    it); gpu_us: the calls' GPU time, queued behind that sleep and so run back to back without idle gaps."""
     fn()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU clock cycles: longer than issuing the calls
     start.record()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -65,47 +65,20 @@ def launch_swiglu(a, b):
     return producers._swiglu_launch(a, b, scale_from_amax(amax, S)[0], False, True, False)
 
 
-def triton_op_norm():
-    """The norm's two passes as one `torch.library.triton_op` (a candidate: inductor launches what wrap_triton
-    names from its own code, so a compiled caller pays no custom-op dispatch), or None where torch has none."""
-    from torch.library import triton_op, wrap_triton
-
-    kernel = wrap_triton(producers._rmsnorm_fp8_kernel)
-
-    @triton_op("lowbit_bench::rmsnorm_fp8", mutates_args=())
-    def norm_fp8(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        M, N = x.shape
-        y = torch.empty((M, N), device=x.device, dtype=torch.float8_e4m3fn)
-        rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
-        stats = torch.zeros(2, device=x.device, dtype=torch.float32)
-        block = triton.next_power_of_2(N)
-        kernel[(M,)](x, w, y, rstd, stats, stats, N, 1e-5, FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=False, AMAX=True,
-                     BLOCK=block, num_warps=8)
-        amax = torch.where(stats[1] > 0, torch.nan, stats[0])
-        scale = torch.where((amax > 0) & torch.isfinite(amax), 448.0 / amax, 1.0).reshape(1)
-        kernel[(M,)](x, w, y, rstd, scale, stats, N, 1e-5, FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=False,
-                     BLOCK=block, num_warps=8)
-        return y, rstd, scale
-
-    return norm_fp8
-
-
 def rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.ones(dim, device="cuda", dtype=torch.float32)
     a, b = (torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-    norm_op = triton_op_norm()
     ways = {
         "rmsnorm: unfused (torch norm, amax + cast kernels)": lambda: unfused_norm(x, w),
-        "rmsnorm: custom ops, eager": lambda: producers.rmsnorm_fp8(x, w, 1e-5, S),
-        "rmsnorm: launch functions, no custom op": lambda: launch_norm(x, w),
-        "rmsnorm: custom ops, compiled caller": torch.compile(lambda: producers.rmsnorm_fp8(x, w, 1e-5, S)),
-        "rmsnorm: one triton_op, compiled caller": torch.compile(lambda: norm_op(x, w)),
+        "rmsnorm: ops, eager": lambda: producers.rmsnorm_fp8(x, w, 1e-5, S),
+        "rmsnorm: launch functions, no op dispatch": lambda: launch_norm(x, w),
+        "rmsnorm: ops, compiled caller": torch.compile(lambda: producers.rmsnorm_fp8(x, w, 1e-5, S)),
         "swiglu: unfused (torch product, amax + cast kernels)": lambda: unfused_swiglu(a, b),
-        "swiglu: custom ops, eager": lambda: producers.swiglu_fp8(a, b, S),
-        "swiglu: launch functions, no custom op": lambda: launch_swiglu(a, b),
-        "swiglu: custom ops, compiled caller": torch.compile(lambda: producers.swiglu_fp8(a, b, S)),
+        "swiglu: ops, eager": lambda: producers.swiglu_fp8(a, b, S),
+        "swiglu: launch functions, no op dispatch": lambda: launch_swiglu(a, b),
+        "swiglu: ops, compiled caller": torch.compile(lambda: producers.swiglu_fp8(a, b, S)),
     }
     out = []
     for name, fn in ways.items():
@@ -125,7 +98,7 @@ def main(argv=None) -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--dim", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=5632)
-    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--calls", type=int, default=50)
     ap.add_argument("--out", default="producer_launch.json")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
