@@ -18,7 +18,8 @@ it is a `torch.library.triton_op`: torch.compile traces into the body and induct
 own generated code. As opaque custom ops, their Python dispatch inside compiled blocks left the GPU waiting: the
 `1b` step with them took 233 ms against 196 unfused, its forward's host time 98.8 ms against 57.0; a compiled
 caller of the norm took 607 us per call through the custom ops and 128 us through one triton_op
-(benchmarks/producer_launch.py on an H100, calls back to back). Written here rather than taken from a library: torchao and TransformerEngine fuse these into
+(benchmarks/producer_launch.py on an H100, calls back to back). The ops as triton_ops have not run on a GPU yet:
+tests/test_gpu.py's producer tests and the profile-1b step are what checks them. Written here rather than taken from a library: torchao and TransformerEngine fuse these into
 their own modules and kernels (TE's in CUDA, built with the package); lowbit's numerics stay its own formulas and
 Triton only (no build step).
 """
@@ -124,9 +125,10 @@ def _swiglu_launch(a, b, scale, e5m2: bool, store: bool, amax: bool):
     stats = torch.zeros(2, device=a.device, dtype=torch.float32)
     n = a.numel()
     s = scale.float().reshape(1) if scale is not None else stats
-    wrap_triton(_swiglu_fp8_kernel)[(triton.cdiv(n, SWIGLU_BLOCK),)](
-        a, b, y, s, stats, n, FMT_MAX=kernels.FP8_MAX[y.dtype], STORE=store, AMAX=amax, BLOCK=SWIGLU_BLOCK,
-        num_warps=SWIGLU_WARPS)
+    with torch.cuda.device(a.device):  # an eager launch goes to the current device: make it a's
+        wrap_triton(_swiglu_fp8_kernel)[(triton.cdiv(n, SWIGLU_BLOCK),)](
+            a, b, y, s, stats, n, FMT_MAX=kernels.FP8_MAX[y.dtype], STORE=store, AMAX=amax, BLOCK=SWIGLU_BLOCK,
+            num_warps=SWIGLU_WARPS)
     return y, _amax_of(stats)
 
 
@@ -162,10 +164,11 @@ def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool):
     rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32) if store else y
     stats = torch.zeros(2, device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(N)
-    wrap_triton(_rmsnorm_fp8_kernel)[(M,)](
-        x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, N, eps,
-        FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=w.dtype != torch.float32 and w.dtype == x.dtype, STORE=store,
-        AMAX=True, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+    with torch.cuda.device(x.device):
+        wrap_triton(_rmsnorm_fp8_kernel)[(M,)](
+            x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, N, eps,
+            FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=w.dtype != torch.float32 and w.dtype == x.dtype,
+            STORE=store, AMAX=True, BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return y, rstd, _amax_of(stats)
 
 
