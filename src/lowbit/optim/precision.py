@@ -108,12 +108,13 @@ _M32 = 0xFFFFFFFF
 
 
 def uniform_like(a: torch.Tensor) -> torch.Tensor:
-    """Uniform [0, 1) numbers shaped like `a`, from the global generator. On a GPU torch.rand_like (Philox, which
-    inductor inlines). On the CPU torch's generator costs 4-6 ns an element, eager or compiled (200-290 ms for a
-    4096x11008 weight, most of nanotron-r2's 638 ms update there), so one 32-bit draw seeds a hash of each
-    element's index instead (Wellons' lowbias32, multipliers under 2^31 so no int64 product overflows): integer
-    arithmetic that compiles into the update's loop. 24 bits of each hash make the number (bias < 2^-24)."""
-    if a.device.type != "cpu":
+    """Uniform [0, 1) numbers shaped like `a`, from the global generator. On a GPU, and eagerly, torch.rand_like
+    (on a GPU Philox, which inductor inlines). Compiled on the CPU, torch's generator costs 4-6 ns an element
+    (200-290 ms for a 4096x11008 weight, most of nanotron-r2's 638 ms update there), so one 32-bit draw seeds a
+    hash of each element's index instead (Wellons' lowbias32, multipliers under 2^31 so no int64 product
+    overflows): integer arithmetic that compiles into the update's loop; 24 bits of each hash make the number
+    (bias < 2^-24). Run eagerly those are a dozen int64 ops, 8x rand_like's time on a 256K slice: not there."""
+    if a.device.type != "cpu" or not torch.compiler.is_compiling():
         return torch.rand_like(a, dtype=torch.float32)
     seed = torch.randint(0, 2**32, (), dtype=torch.int64)
     x = ((torch.arange(a.numel(), dtype=torch.int64).view(a.shape) & _M32) * 0x61C88647 + seed) & _M32
