@@ -71,7 +71,6 @@ def multi_gpu(parts: str, tables: str) -> tuple[str, ...]:
             f"--out {raw}_tables.json {refs}{raw}_{parts}.jsonl")
 
 
-
 STEPS: tuple[Step, ...] = (
     Step("goals", "where the goals stand", (), ("goals.json",), 0,
          by_hand="a summary of the other tables' numbers, edited by hand after a run"),
@@ -96,7 +95,8 @@ STEPS: tuple[Step, ...] = (
     Step("step-1b", "the 1b step: bf16, fp8-tensorwise, torchao, alone and in a row",
          (bench(f"{S1B} --recipes bf16,fp8-tensorwise --torchao tensorwise", "step_1b_torchao_{dev}.json"),),
          ("step_1b_torchao_{dev}.json",)),
-    Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers and FP8 attention)",
+    Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers "
+         "and FP8 attention)",
          (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,"
                 "fp8-tensorwise+numerics.fused_producers=true+numerics.fp8_attention=true,fp8-delayed "
                 "--torchao tensorwise --profile",
@@ -146,7 +146,8 @@ STEPS: tuple[Step, ...] = (
          ("attention_fp8_{dev}.json",)),
     Step("ring-1gpu", "context parallelism's block schedule on one GPU against one SDPA flash call (32k-128k), and "
          "the 1b model's memory per token with it (what benchmarks/cp_memory.py predicts from)",
-         ("python3 benchmarks/ring_attention.py --out {out}/ring_attention_{dev}.json",), ("ring_attention_{dev}.json",)),
+         ("python3 benchmarks/ring_attention.py --out {out}/ring_attention_{dev}.json",),
+         ("ring_attention_{dev}.json",)),
     Step("optim-cpu", "the update of one 4096x11008 weight on the CPU",
          (bench("optim --device cpu --shape 4096x11008 --steps 5 --torchao none "
                 "--recipes fp8lm-o2,fp8lm-o3,nanotron-r2,fp4,fp8lm-o2+optim.weights=bf16,fp8lm-o2+optim.scales=bound",

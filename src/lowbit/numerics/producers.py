@@ -18,10 +18,10 @@ it is a `torch.library.triton_op`: torch.compile traces into the body and induct
 own generated code. As opaque custom ops, their Python dispatch inside compiled blocks left the GPU waiting: the
 `1b` step with them took 233 ms against 196 unfused, its forward's host time 98.8 ms against 57.0; a compiled
 caller of the norm took 607 us per call through the custom ops and 128 us through one triton_op
-(benchmarks/producer_launch.py on an H100, calls back to back). The ops as triton_ops have not run on a GPU yet:
-tests/test_gpu.py's producer tests and the profile-1b step are what checks them. Written here rather than taken from a library: torchao and TransformerEngine fuse these into
-their own modules and kernels (TE's in CUDA, built with the package); lowbit's numerics stay its own formulas and
-Triton only (no build step).
+(benchmarks/producer_launch.py on an H100, calls back to back). tests/test_gpu.py's producer tests check the ops
+on a GPU. Written here rather than taken from a library: torchao and TransformerEngine fuse these into their own
+modules and kernels (TE's in CUDA, built with the package); lowbit's numerics stay its own formulas and Triton
+only (no build step).
 """
 
 from __future__ import annotations
