@@ -1,8 +1,8 @@
 """How K/V blocks travel around the context-parallel ring (parallel.cp_kv_dtype).
 
     auto  as they are, in the activation dtype: attention over the ranks is exact.
-    fp8   E4M3 bytes with one power-of-two scale per (sequence, head) of the shard, lowbit's own cast
-          (numerics.qtensor.quantize, row scaling of the [B·H, L·D] view): about half the bytes of bf16.
+    fp8   E4M3 bytes with one power-of-two scale per (sequence, head) of the shard: FP8 attention's cast
+          (numerics.attention.quantize_heads), about half the bytes of bf16.
 
 Under fp8 every block a rank computes with, its own included, is the dequantized one: each rank's attention is
 then exactly attention over the quantized K/V, whichever rank holds a position (the local block costs the same
@@ -15,11 +15,9 @@ from __future__ import annotations
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.numerics.qtensor import QTensor, quantize
-from lowbit.numerics.scaling import Scaling
+from lowbit.numerics.attention import dequantize_heads, quantize_heads
 
 KV_DTYPES = ("auto", "fp8")
-SPEC = Scaling("e4m3", "row", pow2=True)
 
 
 class KVWire:
@@ -34,15 +32,15 @@ class KVWire:
     def pack(self, t: torch.Tensor) -> list[torch.Tensor]:
         if not self.fp8:
             return [t]
-        qt = quantize(t.detach().reshape(t.shape[0] * t.shape[1], -1), SPEC)
+        data, scale_inv = quantize_heads(t)
         # bytes on the wire: a float8 dtype is not every backend's (gloo's) to send
-        return [qt.data.view(torch.uint8), qt.scale_inv.float()]
+        return [data.view(torch.uint8), scale_inv]
 
     def unpack(self, wire: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         if not self.fp8:
             return wire[0]
         data, scale_inv = wire
-        return QTensor(data.view(SPEC.format.torch_dtype), scale_inv, SPEC).dequantize(like.dtype).view(like.shape)
+        return dequantize_heads(data.view(torch.float8_e4m3fn), scale_inv, like.dtype)
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """The block this rank computes with for its own K/V: what the others receive."""
