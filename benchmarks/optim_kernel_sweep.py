@@ -7,6 +7,7 @@ ahead). GB/s counts the bytes the update must move (bench optim's `update_bytes`
 ships is the first row of each recipe.
 
     python benchmarks/optim_kernel_sweep.py --preset 7b --out benchmarks/results/optim_kernel_sweep_7b_h100.json
+    python benchmarks/optim_kernel_sweep.py --table RESULT.json  # rewrite an older file's table from its rows
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import json
 import time
 
 import torch
+from tables import write  # benchmarks/tables.py: the result file in bench's layout
 
 from lowbit.optim import update_kernel
 from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, back_to_back_ms, device_name, release, time_ms, variants
@@ -61,19 +63,41 @@ def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
     return rows
 
 
+def cells(r: dict) -> dict:
+    shape = f"{r['block']} x {r['iters']}, {r['warps']} warps"
+    return dict(recipe=r["recipe"], shape=shape, math="approximate" if r["fast"] else "correctly rounded",
+                ms=f"{r['ms']:.1f}", b2b=f"{r['ms_back_to_back']:.1f}", gbs=f"{r['gb_per_s']:,.0f}",
+                hbm=f"{r['hbm_pct']:.1f}" if "hbm_pct" in r else "")
+
+
+COLUMNS = [("recipe", "optimizer update, Triton kernels"), ("shape", "elements per load x loads, warps"),
+           ("math", "sqrt and division in the weight's step"), ("ms", "ms (step alone)"),
+           ("b2b", "ms back to back"), ("gbs", "GB/s"), ("hbm", "% of HBM")]
+NOTE = ("Each recipe's first row is the configuration the library ships. GB/s: the bytes the update must move "
+        "(bench optim's measure) over the back-to-back time.")
+
+
+def save(out: str, meta: dict, rows: list[dict]) -> None:
+    write(out, meta, rows, "sweep", COLUMNS, [cells(r) for r in rows], (NOTE,))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="7b")
     ap.add_argument("--recipes", default="fp8lm-o2+optim.scales=bound,fp8lm-o2")
-    ap.add_argument("--out", required=True)
+    ap.add_argument("--out")
+    ap.add_argument("--table", help="a result file whose table is rewritten from its rows")
     a = ap.parse_args()
+    if a.table:
+        doc = json.load(open(a.table))
+        save(a.table, doc.get("header") or doc["meta"], doc["rows"])
+        return
     name = device_name(torch.device("cuda"))
     hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in name), None)
     rows = [r for recipe in a.recipes.split(",") for r in sweep(recipe, a.preset, hbm)]
     meta = dict(device=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), preset=a.preset,
                 command=f"python benchmarks/optim_kernel_sweep.py --preset {a.preset} --out {a.out}")
-    with open(a.out, "w") as f:
-        json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    save(a.out, meta, rows)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def write(out: str, header: dict, raw: list[dict], key: str, columns: list[tuple
     if not out:
         return
     doc = {"header": header, "rows": raw,
-           "meta": {k: header[k] for k in ("device", "torch", "date", "command") if k in header},
+           "meta": {k: header[k] for k in ("device", "torch", "date", "command", "commit") if k in header},
            "what": "table", "complete": True,
            "tables": {key: {"title": columns[0][1], "columns": [[k, h, ""] for k, h in columns], "rows": rows,
                             "notes": list(notes)}}}
