@@ -4,7 +4,8 @@ For each recipe, LowbitAdamW is built once as `lowbit bench optim` builds it; th
 src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, approximate sqrt and division in
 the weight's step) times `step()` alone and ten steps back to back (the kernels' time when the host launches
 ahead). GB/s counts the bytes the update must move (bench optim's `update_bytes`). The configuration the library
-ships is the first row of each recipe.
+ships is the first row of each recipe
+(the note under the table names it).
 
     python benchmarks/optim_kernel_sweep.py --preset 7b --out benchmarks/results/optim_kernel_sweep_7b_h100.json
     python benchmarks/optim_kernel_sweep.py --table RESULT.json  # rewrite an older file's table from its rows
@@ -73,12 +74,17 @@ def cells(r: dict) -> dict:
 COLUMNS = [("recipe", "optimizer update, Triton kernels"), ("shape", "elements per load x loads, warps"),
            ("math", "sqrt and division in the weight's step"), ("ms", "ms (step alone)"),
            ("b2b", "ms back to back"), ("gbs", "GB/s"), ("hbm", "% of HBM")]
-NOTE = ("Each recipe's first row is the configuration the library ships. GB/s: the bytes the update must move "
-        "(bench optim's measure) over the back-to-back time.")
+NOTE = ("The library ships {block} x {iters}, {warps} warps, {math} math (update_kernel.BLOCK, ITERS, WARPS, FAST). "
+        "GB/s: the bytes the update must move (bench optim's measure) over the back-to-back time.")
+
+
+def note() -> str:
+    k = update_kernel
+    return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, math="approximate" if k.FAST else "exact")
 
 
 def save(out: str, meta: dict, rows: list[dict]) -> None:
-    write(out, meta, rows, "sweep", COLUMNS, [cells(r) for r in rows], (NOTE,))
+    write(out, meta, rows, "sweep", COLUMNS, [cells(r) for r in rows], (note(),))
 
 
 def main() -> None:
