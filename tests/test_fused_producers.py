@@ -167,3 +167,39 @@ def test_bench_step_variant_fuses_the_producers(tmp_path, capsys, monkeypatch):
     assert fused == [0, 12]  # tiny: 4 blocks x (2 norms + SwiGLU)
     rows = json.loads(out.read_text())["tables"]["step"]["rows"]
     assert all("error" not in r for r in rows), rows
+
+
+SIGNATURES = {  # the producers' kernels: (pointer and scalar types, scalars to hand over as constants, constexprs)
+    "_rmsnorm_fp8_kernel": (["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32", "fp64"],
+                            {"N": 2048, "eps": 1e-5},
+                            dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=True, BLOCK=2048)),
+    "_swiglu_fp8_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp32", "*fp32", "i32"], {"n": 1 << 20},
+                           dict(FMT_MAX=448.0, STORE=True, AMAX=True, BLOCK=2048)),
+}
+
+
+@pytest.mark.parametrize("kernel", SIGNATURES)
+@pytest.mark.parametrize("scalars", ["launched", "constants"])
+def test_producer_kernels_build_for_hopper_with_scalars_handed_either_way(kernel, scalars):
+    """torch.compile hands a triton_op's kernel its scalars two ways: inductor's launch passes a float as fp64, and
+    its analysis of what the kernel writes may pass them as Python numbers (a kernel calling `N.to(...)` failed
+    there, and torch then took every input as written). Each producer kernel builds to Triton IR for sm90 both
+    ways; no GPU needed."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource, make_backend
+
+    from lowbit.numerics import producers
+
+    fn = getattr(producers, kernel)
+    types, numbers, constexprs = SIGNATURES[kernel]
+    constants = {**constexprs, **(numbers if scalars == "constants" else {})}
+    signature = {name: "constexpr" if name in constants else t for name, t in zip(fn.arg_names, types + [""] * 9)}
+    target = GPUTarget("cuda", 90, 32)
+    backend = make_backend(target)
+    options = backend.parse_options({})
+    context = triton._C.libtriton.ir.context()
+    triton._C.libtriton.ir.load_dialects(context)
+    backend.load_dialects(context)
+    src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()})
+    src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)

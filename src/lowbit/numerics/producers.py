@@ -80,8 +80,10 @@ if triton is not None:
         # torch: the mean as the sum times 1/N (its MeanOps), rsqrt as CUDA's rsqrtf; mul_rn / add_rn: each rounded
         # on its own, as torch does, never contracted into a fused multiply-add
         sq = tl.sum(libdevice.mul_rn(x, x), axis=0)
-        mean = libdevice.mul_rn(sq, tl.math.div_rn(1.0, N.to(tl.float32)))
-        rstd = libdevice.rsqrt(libdevice.add_rn(mean, eps.to(tl.float32)))  # inductor hands a float over as fp64
+        # tl.cast, not .to: torch.compile's analysis of a triton_op may pass N and eps as Python numbers, and its
+        # launch passes a float as fp64
+        mean = libdevice.mul_rn(sq, tl.math.div_rn(1.0, tl.cast(N, tl.float32)))
+        rstd = libdevice.rsqrt(libdevice.add_rn(mean, tl.cast(eps, tl.float32)))
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
         h = w.to(tl.float32) * (x * rstd).to(xr.dtype).to(tl.float32)
         if OUT_W_DTYPE:  # a weight in x's 16-bit dtype: torch's product is rounded to it
