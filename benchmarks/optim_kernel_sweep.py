@@ -4,8 +4,7 @@ For each recipe, LowbitAdamW is built once as `lowbit bench optim` builds it; th
 src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, approximate sqrt and division in
 the weight's step) times `step()` alone and ten steps back to back (the kernels' time when the host launches
 ahead). GB/s counts the bytes the update must move (bench optim's `update_bytes`). The configuration the library
-ships is the first row of each recipe
-(the note under the table names it).
+ships is the first row of each recipe (the note under the table names it).
 
     python benchmarks/optim_kernel_sweep.py --preset 7b --out benchmarks/results/optim_kernel_sweep_7b_h100.json
     python benchmarks/optim_kernel_sweep.py --table RESULT.json  # rewrite an older file's table from its rows
@@ -64,9 +63,13 @@ def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
     return rows
 
 
+def math(fast: bool) -> str:
+    return "approximate" if fast else "correctly rounded"
+
+
 def cells(r: dict) -> dict:
     shape = f"{r['block']} x {r['iters']}, {r['warps']} warps"
-    return dict(recipe=r["recipe"], shape=shape, math="approximate" if r["fast"] else "correctly rounded",
+    return dict(recipe=r["recipe"], shape=shape, math=math(r["fast"]),
                 ms=f"{r['ms']:.1f}", b2b=f"{r['ms_back_to_back']:.1f}", gbs=f"{r['gb_per_s']:,.0f}",
                 hbm=f"{r['hbm_pct']:.1f}" if "hbm_pct" in r else "")
 
@@ -80,7 +83,7 @@ NOTE = ("The library ships {block} x {iters}, {warps} warps, {math} math (update
 
 def note() -> str:
     k = update_kernel
-    return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, math="approximate" if k.FAST else "exact")
+    return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, math=math(k.FAST))
 
 
 def save(out: str, meta: dict, rows: list[dict]) -> None:

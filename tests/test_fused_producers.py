@@ -196,7 +196,7 @@ def test_producer_kernels_build_for_hopper_with_scalars_handed_either_way(kernel
     fn = getattr(producers, kernel)
     types, numbers, constexprs = SIGNATURES[kernel]
     constants = {**constexprs, **(numbers if scalars == "constants" else {})}
-    signature = {name: "constexpr" if name in constants else t for name, t in zip(fn.arg_names, types + [""] * 9)}
+    signature = {**dict(zip(fn.arg_names, types)), **{name: "constexpr" for name in constants}}
     target = GPUTarget("cuda", 90, 32)
     backend = make_backend(target)
     options = backend.parse_options({})
