@@ -102,10 +102,9 @@ STEPS: tuple[Step, ...] = (
     Step("step-1b", "the 1b step: bf16, fp8-tensorwise, torchao, alone and in a row",
          (bench(f"{S1B} --recipes bf16,fp8-tensorwise --torchao tensorwise", "step_1b_torchao_{dev}.json"),),
          ("step_1b_torchao_{dev}.json",)),
-    Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers "
-         "and FP8 attention)",
-         (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,"
-                "fp8-tensorwise+numerics.fused_producers=true+numerics.fp8_attention=true,fp8-delayed "
+    Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers, "
+         "fp8-delayed, torchao)",
+         (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,fp8-delayed "
                 "--torchao tensorwise --profile",
                 "step_1b_profile_{dev}.json"),), ("step_1b_profile_{dev}.json",)),
     Step("producers-1b", "the fused FP8 producers' host and GPU time per call at the 1b shapes",

@@ -236,7 +236,7 @@ def test_profile_kernel_kinds_and_idle_union():
     assert kind("triton_red_fused__to_copy__unsafe_view_add_mean_mul_pow_rsqrt_6") == "fused"
     # lowbit's own Triton kernels, eager aten kernels touching FP8, the rest
     assert kind("_cast_transpose_kernel") == kind("_amax_kernel") == kind("_cast_kernel") == "quant"
-    assert kind("_rmsnorm_fp8_kernel") == kind("_swiglu_fp8_kernel") == "fused_quant"
+    assert kind("_rmsnorm_fp8_kernel") == kind("_swiglu_fp8_kernel") == kind("_swiglu_fp8_t_kernel") == "fused_quant"
     assert kind("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at::"
                 "TensorIteratorBase&)::{lambda(c10::Float8_e4m3fn)#1}>") == "quant"
     assert kind("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>") == "aten"

@@ -92,6 +92,49 @@ def test_no_grad_forward_and_unconvert():
         assert torch.equal(plain(x), fused(x))
 
 
+def _saved_fp8_shapes(model) -> list[tuple[int, ...]]:
+    """The shapes of the FP8 tensors one training forward saves for backward."""
+    shapes = []
+
+    def pack(t):
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            shapes.append(tuple(t.shape))
+        return t
+
+    x = torch.randint(0, ARGS.vocab_size, (3, 16), generator=torch.Generator().manual_seed(2))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x, x)
+    return shapes
+
+
+def test_producers_write_the_transposed_copy_backward_keeps():
+    """The FP8 copies kept for the weight gradients are the producers' transposed ones ([K, tokens]), as the
+    unfused linears' cast_transpose keeps; a producer feeding a linear whose weight gradient is high precision
+    writes none (and its step is that linear's unfused step)."""
+    unfused, fused = build(False)[0], build(True)[0]
+    tokens, dim, ffn = 48, ARGS.dim, ARGS.ffn_dim
+    # per layer: wq, wk, wv (the attention norm's one copy, saved three times), w1 and w3, w2; wo's input is cast
+    # by wo itself (row-major on the CPU, where cast_transpose is a cast and a view)
+    fed = [(dim, tokens)] * 5 + [(ffn, tokens)]
+    assert sorted(s for s in _saved_fp8_shapes(fused) if tokens in s) == \
+        sorted((fed + [(tokens, dim)]) * ARGS.n_layers)
+    assert sorted(s for s in _saved_fp8_shapes(unfused) if tokens in s) == \
+        sorted(([(k, m) for m, k in fed] + [(tokens, dim)]) * ARGS.n_layers)
+    assert "transposed" in repr(fused.layers[0].feed_forward.act)
+
+    from lowbit.numerics.fused_producers import install_fused_producers
+    models = []
+    for fuse in (False, True):
+        model = build(False)[0]
+        w2 = model.layers[0].feed_forward.w2
+        w2.recipe = dataclasses.replace(w2.recipe, wgrad_hp=True)
+        if fuse:
+            install_fused_producers(model)
+            assert not model.layers[0].feed_forward.act.transpose and model.layers[1].feed_forward.act.transpose
+        models.append(model)
+    assert_same(step(models[0]), step(models[1]))
+
+
 def rel_diffs(a, b) -> dict[str, float]:
     """|a - b| / |b| of the loss and of each gradient."""
     out = {"loss": ((a[0] - b[0]).abs() / b[0].abs()).item()}
@@ -205,3 +248,94 @@ def test_producer_kernels_build_for_hopper_with_scalars_handed_either_way(kernel
     backend.load_dialects(context)
     src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()})
     src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+
+
+SIGNATURES.update({
+    "_rmsnorm_fp8_t_kernel": (["*bf16", "*fp32", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp32", "i32", "i32"],
+                              {"M": 16384, "N": 2048}, dict(FMT_MAX=448.0, OUT_W_DTYPE=False, BM=128, BN=128)),
+    "_swiglu_fp8_t_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp8e4nv", "*fp32", "i32", "i32"],
+                             {"M": 16384, "N": 5632}, dict(FMT_MAX=448.0, BM=128, BN=128)),
+})
+
+TRANSPOSING_CHECK = r"""
+import types
+
+import torch
+import triton
+import triton.language as tl
+from lowbit.numerics import producers as p
+
+
+@triton.jit
+def _exp(x):
+    return tl.exp(x)
+
+
+@triton.jit
+def _rsqrt(x):
+    return tl.math.rsqrt(x)
+
+
+@triton.jit
+def _mul(a, b):
+    return a * b
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+# the interpreter runs no libdevice: tl's own math in its place, the same in every kernel compared here
+p.libdevice = types.SimpleNamespace(exp=_exp, rsqrt=_rsqrt, mul_rn=_mul, add_rn=_add)
+torch.manual_seed(0)
+M, N, B = 70, 100, 32  # tiles of 32 x 32: the last row and column of tiles are partial
+fmax = 57344.0
+f8 = torch.float8_e5m2
+scale = torch.tensor([0.5])
+a, b, x = (torch.randn(M, N).mul(3).to(torch.bfloat16) for _ in range(3))
+w = (torch.rand(N) + 0.5).to(torch.bfloat16)
+
+def pair():
+    return torch.empty(M, N, dtype=f8), torch.empty(N, M, dtype=f8)
+
+y1, stats = torch.empty(M, N, dtype=f8), torch.zeros(2)
+p._swiglu_fp8_kernel[((M * N + 255) // 256,)](a, b, y1, scale, stats, M * N, FMT_MAX=fmax, STORE=True, AMAX=False,
+                                              BLOCK=256)
+y, yt = pair()
+p._swiglu_fp8_t_kernel[((M + B - 1) // B, (N + B - 1) // B)](a, b, y, yt, scale, M, N, FMT_MAX=fmax, BM=B, BN=B)
+assert torch.equal(y.view(torch.uint8), y1.view(torch.uint8)), "swiglu: the tiles' bytes"
+assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), "swiglu: the transpose"
+
+for out_w in (False, True):
+    ww = w if out_w else w.float()
+    y1, rstd, stats = torch.empty(M, N, dtype=f8), torch.empty(M, 1), torch.zeros(2)
+    p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd, scale, stats, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
+                                STORE=True, AMAX=True, BLOCK=128)
+    rstd2, stats2 = torch.empty(M, 1), torch.zeros(2)  # the amax pass: rstd stored, nothing cast
+    p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd2, scale, stats2, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
+                                STORE=False, AMAX=True, BLOCK=128)
+    assert torch.equal(rstd, rstd2) and torch.equal(stats, stats2), "norm: the amax pass's rstd and amax"
+    y, yt = pair()
+    p._rmsnorm_fp8_t_kernel[((M + B - 1) // B, (N + B - 1) // B)](x, ww, rstd, y, yt, scale, M, N, FMT_MAX=fmax,
+                                                                  OUT_W_DTYPE=out_w, BM=B, BN=B)
+    assert torch.equal(y.view(torch.uint8), y1.view(torch.uint8)), "norm: the tiles' bytes"
+    assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), "norm: the transpose"
+print("ok")
+"""
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
+def test_transposing_producer_kernels_write_the_row_kernels_bytes_under_the_interpreter(tmp_path):
+    """The transposing casts (tiles, partial at the edges) write the bytes of the producers' one-pass kernels and
+    their exact transpose; the norm's amax pass stores the rstd its cast pass uses. Under Triton's CPU interpreter
+    (E5M2: its E4M3 rounding is unfaithful, the same in both kernels); a GPU test compares both with torch."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "check.py"  # a file: triton.jit reads its functions' source
+    script.write_text(TRANSPOSING_CHECK)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -685,6 +685,8 @@ def test_triton_swiglu_fp8_is_the_unfused_path_bit_for_bit(case, fmt):
     q, amax = swiglu_fp8(a, b, s, scale)
     assert _same_bytes(q.data, cast(h, scale, s))
     torch.testing.assert_close(amax, h.abs().amax().float(), rtol=0, atol=0, equal_nan=True)
+    y, yt = torch.ops.lowbit.swiglu_cast_t(a, b, scale, fmt == "e5m2")  # the transposing cast's tiles
+    assert _same_bytes(y, cast(h, scale, s)) and _same_bytes(yt, cast(h, scale, s).t().contiguous())
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
@@ -714,6 +716,14 @@ def test_triton_rmsnorm_fp8_is_the_unfused_path_bit_for_bit_given_its_rstd(fmt, 
     same_rows = (rstd == ref_rstd).squeeze(1)
     h_torch = w * (x.float() * ref_rstd).to(x.dtype)
     assert _same_bytes(q.data[same_rows], cast(h_torch, scale, s)[same_rows])
+    # the amax pass's rstd, and the transposing cast's tiles given it (an odd shape: partial tiles)
+    amax2, rstd2 = torch.ops.lowbit.rmsnorm_amax(x, w, 1e-5)
+    assert torch.equal(rstd2, rstd) and torch.equal(amax2, amax)
+    xo, wo = x[:1000, :1377].contiguous(), w[:1377].contiguous()
+    ro = torch.ops.lowbit.rmsnorm_amax(xo, wo, 1e-5)[1]
+    y, yt = torch.ops.lowbit.rmsnorm_cast_t(xo, wo, ro, scale, fmt == "e5m2")
+    want = cast(wo * (xo.float() * ro).to(x.dtype), scale, s)
+    assert _same_bytes(y, want) and _same_bytes(yt, want.t().contiguous())
 
 
 def test_fused_swiglu_linear_is_the_unfused_mlp_tail_bit_for_bit_on_gpu():

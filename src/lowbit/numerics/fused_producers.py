@@ -5,7 +5,10 @@ LowPrecisionLinear reading it then reads twice more (its amax, its cast). Here t
 the cast itself (numerics.producers' kernels: the same formulas, the same bytes) and passes a `PrequantizedInput`
 on: the linear takes those bytes and that cast's report, as if it had cast them. The attention norm's one FP8
 copy serves wq, wk and wv alike, as their three identical casts would have (one scale per tensor, current:
-`scale_from_amax` of the one amax).
+`scale_from_amax` of the one amax). Where the linears' weight gradients read the input in FP8, the cast pass also
+writes it transposed (the copy those GEMMs take, kept for backward instead of the row-major one), as the unfused
+linear's `cast_transpose` does: without it the backward transposed the FP8 bytes in a copy of its own (on an H100,
+23.5 ms of `clone_t` kernels in the compiled `1b` step).
 
 Backward is the unfused one: the model's own formulas (models.llama `rmsnorm_backward`, `silu_mul_backward`) on
 the high-precision inputs, kept as the plain modules keep them (with their saved-activation codec, if any); each
@@ -60,83 +63,95 @@ def _cast_report(amax: torch.Tensor, s: Scaling) -> tuple[torch.Tensor, torch.Te
 
 
 class _FP8RMSNorm(torch.autograd.Function):
-    """RMSNorm(x)·w as FP8 (token, data, scale, report); backward: models.llama's RMSNorm backward."""
+    """RMSNorm(x)·w as FP8 (token, data, scale, report, and with `transpose` the data transposed); backward:
+    models.llama's RMSNorm backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, s: Scaling, codec=None):
+    def forward(ctx, x, weight, eps: float, s: Scaling, codec=None, transpose: bool = False):
         x2 = x.reshape(-1, x.shape[-1])
+        e5m2 = s.fmt == "e5m2"
         with torch.autocast(x.device.type, enabled=False):
-            scale, rep = _cast_report(torch.ops.lowbit.rmsnorm_amax(x2, weight, eps), s)
-            data, rstd, _ = torch.ops.lowbit.rmsnorm_cast(x2, weight, eps, scale, s.fmt == "e5m2")
+            amax, rstd = torch.ops.lowbit.rmsnorm_amax(x2, weight, eps)
+            scale, rep = _cast_report(amax, s)
+            data = torch.ops.lowbit.rmsnorm_cast_t(x2, weight, rstd, scale, e5m2) if transpose else \
+                torch.ops.lowbit.rmsnorm_cast(x2, weight, eps, scale, e5m2)[:1]
         ctx.codec, ctx.x_dtype = codec, x.dtype
         ctx.save_for_backward(rstd.view(*x.shape[:-1], 1), weight, *(codec.pack(x) if codec else (x,)))
-        ctx.mark_non_differentiable(data, scale, rep)
-        return _token(x.shape, torch.promote_types(weight.dtype, x.dtype), x.device), data, scale, rep
+        ctx.mark_non_differentiable(*data, scale, rep)
+        return _token(x.shape, torch.promote_types(weight.dtype, x.dtype), x.device), data[0], scale, rep, *data[1:]
 
     @staticmethod
     def backward(ctx, dy, *_):
         rstd, weight, *packed = ctx.saved_tensors
         x = ctx.codec.unpack(*packed, ctx.x_dtype) if ctx.codec else packed[0]
         dx, dw = rmsnorm_backward(dy, x, rstd, weight, *ctx.needs_input_grad[:2])
-        return dx, dw, None, None, None
+        return dx, dw, None, None, None, None
 
 
 class _FP8SiluMul(torch.autograd.Function):
-    """silu(a)·b as FP8 (token, data, scale, report); backward: models.llama's SwiGLU backward."""
+    """silu(a)·b as FP8 (token, data, scale, report, and with `transpose` the data transposed); backward:
+    models.llama's SwiGLU backward."""
 
     @staticmethod
-    def forward(ctx, a, b, s: Scaling, codec=None):
+    def forward(ctx, a, b, s: Scaling, codec=None, transpose: bool = False):
+        a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+        e5m2 = s.fmt == "e5m2"
         with torch.autocast(a.device.type, enabled=False):
-            scale, rep = _cast_report(torch.ops.lowbit.swiglu_amax(a, b), s)
-            data, _ = torch.ops.lowbit.swiglu_cast(a, b, scale, s.fmt == "e5m2", False)
+            scale, rep = _cast_report(torch.ops.lowbit.swiglu_amax(a2, b2), s)
+            data = torch.ops.lowbit.swiglu_cast_t(a2, b2, scale, e5m2) if transpose else \
+                torch.ops.lowbit.swiglu_cast(a2, b2, scale, e5m2, False)[:1]
         ctx.codec, ctx.dtypes = codec, (a.dtype, b.dtype)
         pa, pb = (codec.pack(a), codec.pack(b)) if codec else ((a,), (b,))
         ctx.n_a = len(pa)
         ctx.save_for_backward(*pa, *pb)
-        ctx.mark_non_differentiable(data, scale, rep)
-        return _token(a.shape, torch.promote_types(a.dtype, b.dtype), a.device), data, scale, rep
+        ctx.mark_non_differentiable(*data, scale, rep)
+        return _token(a.shape, torch.promote_types(a.dtype, b.dtype), a.device), data[0], scale, rep, *data[1:]
 
     @staticmethod
     def backward(ctx, dy, *_):
         saved, n = ctx.saved_tensors, ctx.n_a
         a, b = (ctx.codec.unpack(*saved[:n], ctx.dtypes[0]), ctx.codec.unpack(*saved[n:], ctx.dtypes[1])) \
             if ctx.codec else saved
-        return (*silu_mul_backward(dy, a, b, *ctx.needs_input_grad[:2]), None, None)
+        return (*silu_mul_backward(dy, a, b, *ctx.needs_input_grad[:2]), None, None, None)
 
 
-def _prequantized(token, data, scale, rep) -> PrequantizedInput:
-    return PrequantizedInput(token, data.reshape(-1, data.shape[-1]), scale, rep)
+def _prequantized(token, data, scale, rep, data_t=None) -> PrequantizedInput:
+    return PrequantizedInput(token, data.reshape(-1, data.shape[-1]), scale, rep, data_t)
 
 
 class FP8RMSNorm(RMSNorm):
     """An RMSNorm (same parameter, same state_dict) whose output is FP8 for the linears it feeds, cast as their
-    input recipe `spec` says."""
+    input recipe `spec` says; with `transpose` (their weight gradients read it in FP8) also written transposed
+    while gradients are on."""
 
-    def __init__(self, norm: RMSNorm, spec: Scaling):
+    def __init__(self, norm: RMSNorm, spec: Scaling, transpose: bool = True):
         nn.Module.__init__(self)
         self.eps, self.weight, self.codec, self.spec = norm.eps, norm.weight, norm.codec, spec
+        self.transpose = transpose
 
     def forward(self, x: torch.Tensor) -> PrequantizedInput:
-        codec = self.codec if torch.is_grad_enabled() else None
-        return _prequantized(*_FP8RMSNorm.apply(x.contiguous(), self.weight, self.eps, self.spec, codec))
+        grad = torch.is_grad_enabled()
+        return _prequantized(*_FP8RMSNorm.apply(x.contiguous(), self.weight, self.eps, self.spec,
+                                                self.codec if grad else None, self.transpose and grad))
 
     def extra_repr(self) -> str:
-        return f"eps={self.eps}, output={self.spec.fmt}/tensor/current"
+        return f"eps={self.eps}, output={self.spec.fmt}/tensor/current{', transposed' if self.transpose else ''}"
 
 
 class FP8SwiGLU(SwiGLU):
     """SwiGLU whose product silu(a)·b is FP8 for the linear it feeds (w2)."""
 
-    def __init__(self, act: SwiGLU, spec: Scaling):
+    def __init__(self, act: SwiGLU, spec: Scaling, transpose: bool = True):
         nn.Module.__init__(self)
-        self.codec, self.spec = act.codec, spec
+        self.codec, self.spec, self.transpose = act.codec, spec, transpose
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> PrequantizedInput:
-        codec = self.codec if torch.is_grad_enabled() else None
-        return _prequantized(*_FP8SiluMul.apply(a.contiguous(), b.contiguous(), self.spec, codec))
+        grad = torch.is_grad_enabled()
+        return _prequantized(*_FP8SiluMul.apply(a.contiguous(), b.contiguous(), self.spec,
+                                                self.codec if grad else None, self.transpose and grad))
 
     def extra_repr(self) -> str:
-        return f"output={self.spec.fmt}/tensor/current"
+        return f"output={self.spec.fmt}/tensor/current{', transposed' if self.transpose else ''}"
 
 
 def _fed_spec(block: nn.Module, names: tuple[str, ...]) -> tuple[Scaling | None, str | None]:
@@ -172,7 +187,9 @@ def install_fused_producers(model: nn.Module) -> dict[str, list[str]]:
             parent_name, _, attr = child.rpartition(".")
             parent = block.get_submodule(parent_name) if parent_name else block
             old = getattr(parent, attr)
-            setattr(parent, attr, FP8RMSNorm(old, spec) if isinstance(old, RMSNorm) else FP8SwiGLU(old, spec))
+            # their weight gradients read the input as FP8, transposed: the producer writes that copy too
+            transpose = not any(block.get_submodule(n).recipe.wgrad_hp for n in names)
+            setattr(parent, attr, (FP8RMSNorm if isinstance(old, RMSNorm) else FP8SwiGLU)(old, spec, transpose))
             out["fused"].append(full)
     return out
 

@@ -60,6 +60,7 @@ class PrequantizedInput:
     data: torch.Tensor  # [M, K] FP8
     scale: torch.Tensor  # [] the cast's scale
     report: torch.Tensor  # [2] ScalingState's report of the cast (amax, bad)
+    data_t: torch.Tensor | None = None  # [K, M] FP8: data transposed (what the weight-gradient GEMM reads), if made
 
     @property
     def shape(self) -> torch.Size:
@@ -113,19 +114,22 @@ class _LowPrecisionMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale_x, scale_w, recipe: LinearRecipe, go_scale, go_warm, sink, reports,
-                telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None, x_data=None):
+                telemetry_layer, x_clamped=None, occ_idx=None, occ_val=None, go_group=None, x_data=None, x_data_t=None):
         r = recipe
         out_dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         x2 = x.reshape(-1, x.shape[-1]) if x_clamped is None else x_clamped  # OCC: quantize the clamped input
         given = x_data is not None  # prequantized: x is PrequantizedInput's token, x_data its bytes
         ctx.hp = not given and _keeps_input(r, occ_idx is not None)
         # Eager on a GPU, one FP8 scale per tensor: the input and the weight cast and transposed in one pass each,
-        # and backward keeps the transposed copies its GEMMs take (as many bytes as the row-major ones)
-        ctx.xt = not given and not ctx.hp and not r.wgrad_hp and transpose_fused(x2, r.input)
+        # and backward keeps the transposed copies its GEMMs take (as many bytes as the row-major ones); a
+        # prequantized input may come with its transpose (x_data_t, written by its producer in the same pass)
+        ctx.xt = not r.wgrad_hp and (x_data_t is not None if given else
+                                     not ctx.hp and transpose_fused(x2, r.input))
         ctx.wt = not hasattr(weight, "quantized") and transpose_fused(weight, r.weight)
         with torch.autocast(x.device.type, enabled=False):
             if given:
-                qx, qxt = QTensor(x_data, scale_x.reciprocal(), r.input), None
+                qx = QTensor(x_data, scale_x.reciprocal(), r.input)
+                qxt = QTensor(x_data_t, qx.scale_inv, r.input) if ctx.xt else None
             else:
                 qx, qxt = cast_transpose(x2, r.input, scale_x) if ctx.xt else \
                     (quantize(x2, r.input, scale=scale_x), None)
@@ -206,7 +210,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         seen = torch.cat([reports, report(amax if g.granularity == "tensor" else None, bad)[None]]) \
             if ctx.report else None
         return (dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 def _scaling_states(recipe: LinearRecipe, device) -> OperandStates:
@@ -259,7 +263,7 @@ class LowPrecisionLinear(nn.Linear):
                                       go.warming_up() if go.spec.strategy == "delayed" else None,
                                       st.sink(x.device) if update else None, torch.stack([report_x, report_w]),
                                       self if self.telemetry_armed else None, x2 if idx is not None else None, idx,
-                                      val, go.amax_group, pre.data if pre is not None else None)
+                                      val, go.amax_group, *((pre.data, pre.data_t) if pre is not None else ()))
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:

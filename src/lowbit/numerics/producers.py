@@ -10,16 +10,20 @@ unfused path (the norm's given the same rstd: a sum over a row in another order 
 Current scaling needs the amax before the cast: `*_amax` reads the inputs once for it (nothing written), the cast
 pass reads them again and writes FP8: 2 + 2 (+ 2) bytes read per element and 1 written, where the unfused path
 writes the bf16 output (2), reads it for the amax (2) and again for the cast (2 + 1 written). With a scale known
-before (delayed scaling), one pass writes FP8 and takes the amax for the next step's scale.
+before (delayed scaling), one pass writes FP8 and takes the amax for the next step's scale. Where a weight-gradient
+GEMM will read the output, `*_cast_t` writes it also transposed in the same pass, over 2-D tiles (as
+kernels.cast_transpose); the norm's then takes the rows' rstd from its amax pass (`rmsnorm_amax` stores it).
 
-Each is an op (`lowbit::swiglu_amax`, `lowbit::swiglu_cast`, `lowbit::rmsnorm_amax`, `lowbit::rmsnorm_cast`)
+Each is an op (`lowbit::swiglu_amax`, `lowbit::swiglu_cast(_t)`, `lowbit::rmsnorm_amax`, `lowbit::rmsnorm_cast(_t)`)
 whose body launches its Triton kernel on a GPU and computes the torch formulas elsewhere. With Triton installed
 it is a `torch.library.triton_op`: torch.compile traces into the body and inductor launches the kernel from its
 own generated code. As opaque custom ops, their Python dispatch inside compiled blocks left the GPU waiting: the
 `1b` step with them took 233 ms against 196 unfused, its forward's host time 98.8 ms against 57.0; a compiled
 caller of the norm took 607 us per call through the custom ops and 128 us through one triton_op
 (benchmarks/producer_launch.py on an H100, calls back to back; commit 4098191). As triton_ops the `1b` step's
-GPU idle time is 3.3 ms (BENCHMARKS.md). tests/test_gpu.py's producer tests check the ops on a GPU. Written here rather than taken from a library: torchao and TransformerEngine fuse these into their own
+GPU idle time is 3.3 ms (BENCHMARKS.md). tests/test_gpu.py's producer tests check the ops on a GPU.
+
+Written here rather than taken from a library: torchao and TransformerEngine fuse these into their own
 modules and kernels (TE's in CUDA, built with the package); lowbit's numerics stay its own formulas and Triton
 only (no build step).
 """
@@ -53,15 +57,27 @@ if triton is not None:
         return y.to(DTYPE, fp_downcast_rounding="rtne")
 
     @triton.jit
+    def _swiglu_h(a, b):
+        # torch's silu: x / (1 + exp(-x)) in fp32, IEEE division and expf; then rounded to a's dtype; the product
+        # rounded to b's dtype, as torch's mul
+        af = a.to(tl.float32)
+        s = tl.math.div_rn(af, 1.0 + libdevice.exp(-af)).to(a.dtype).to(tl.float32)
+        return (s * b.to(tl.float32)).to(b.dtype).to(tl.float32)
+
+    @triton.jit
+    def _norm_h(xr, rstd, w, OUT_W_DTYPE: tl.constexpr):
+        # w · (x · rstd rounded to x's dtype); a weight in x's 16-bit dtype: torch's product is rounded to it
+        h = w.to(tl.float32) * (xr.to(tl.float32) * rstd).to(xr.dtype).to(tl.float32)
+        if OUT_W_DTYPE:
+            h = h.to(w.dtype).to(tl.float32)
+        return h
+
+    @triton.jit
     def _swiglu_fp8_kernel(a_ptr, b_ptr, y_ptr, scale_ptr, stats_ptr, n, FMT_MAX: tl.constexpr,
                            STORE: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
-        a = tl.load(a_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + offs, mask=mask, other=0.0)
-        # torch's silu: x / (1 + exp(-x)) in fp32, IEEE division and expf; then rounded to a's dtype
-        s = tl.math.div_rn(a, 1.0 + libdevice.exp(-a)).to(a_ptr.dtype.element_ty).to(tl.float32)
-        h = (s * b.to(tl.float32)).to(b.dtype).to(tl.float32)  # the product rounded to b's dtype, as torch's mul
+        h = _swiglu_h(tl.load(a_ptr + offs, mask=mask, other=0.0), tl.load(b_ptr + offs, mask=mask, other=0.0))
         if AMAX:
             _amax_into(stats_ptr, h, mask)
         if STORE:
@@ -71,7 +87,8 @@ if triton is not None:
     def _rmsnorm_fp8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, scale_ptr, stats_ptr, N, eps, FMT_MAX: tl.constexpr,
                             OUT_W_DTYPE: tl.constexpr, STORE: tl.constexpr, AMAX: tl.constexpr,
                             BLOCK: tl.constexpr):
-        # one row per program: rstd = 1/sqrt(mean(x²) + eps) in fp32, out = w · (x · rstd rounded to x's dtype)
+        # one row per program: rstd = 1/sqrt(mean(x²) + eps) in fp32 (stored), out = w · (x · rstd rounded to x's
+        # dtype); STORE: out written as FP8
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -84,18 +101,48 @@ if triton is not None:
         # launch passes a float as fp64
         mean = libdevice.mul_rn(sq, tl.math.div_rn(1.0, tl.cast(N, tl.float32)))
         rstd = libdevice.rsqrt(libdevice.add_rn(mean, tl.cast(eps, tl.float32)))
-        w = tl.load(w_ptr + cols, mask=mask, other=0.0)
-        h = w.to(tl.float32) * (x * rstd).to(xr.dtype).to(tl.float32)
-        if OUT_W_DTYPE:  # a weight in x's 16-bit dtype: torch's product is rounded to it
-            h = h.to(w.dtype).to(tl.float32)
+        tl.store(rstd_ptr + row, rstd)
+        h = _norm_h(xr, rstd, tl.load(w_ptr + cols, mask=mask, other=0.0), OUT_W_DTYPE)
         if AMAX:
             _amax_into(stats_ptr, h, mask)
         if STORE:
-            tl.store(rstd_ptr + row, rstd)
             tl.store(y_ptr + row * N + cols, _to_fp8(h, tl.load(scale_ptr), FMT_MAX, y_ptr.dtype.element_ty),
                      mask=mask)
 
+    @triton.jit
+    def _store_both(y_ptr, yt_ptr, h, scale_ptr, rm, rn, mask, M, N, FMT_MAX: tl.constexpr):
+        # the FP8 tile at [m, n] of y and at [n, m] of yt (as kernels._cast_transpose_kernel)
+        y = _to_fp8(h, tl.load(scale_ptr), FMT_MAX, y_ptr.dtype.element_ty)
+        tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
+        tl.store(yt_ptr + rn[None, :] * M + rm[:, None], y, mask=mask)
+
+    @triton.jit
+    def _swiglu_fp8_t_kernel(a_ptr, b_ptr, y_ptr, yt_ptr, scale_ptr, M, N, FMT_MAX: tl.constexpr,
+                             BM: tl.constexpr, BN: tl.constexpr):
+        # one [BM, BN] tile of silu(a)·b [M, N], written as FP8 row-major and transposed
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        offs = rm[:, None] * N + rn[None, :]
+        h = _swiglu_h(tl.load(a_ptr + offs, mask=mask, other=0.0), tl.load(b_ptr + offs, mask=mask, other=0.0))
+        _store_both(y_ptr, yt_ptr, h, scale_ptr, rm, rn, mask, M, N, FMT_MAX)
+
+    @triton.jit
+    def _rmsnorm_fp8_t_kernel(x_ptr, w_ptr, rstd_ptr, y_ptr, yt_ptr, scale_ptr, M, N, FMT_MAX: tl.constexpr,
+                              OUT_W_DTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # one [BM, BN] tile of RMSNorm(x)·w with the rows' rstd given (the amax pass's), as FP8 row-major and
+        # transposed
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
+        mask = (rm[:, None] < M) & (rn[None, :] < N)
+        xr = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
+        rstd = tl.load(rstd_ptr + rm, mask=rm < M, other=0.0)[:, None]
+        w = tl.load(w_ptr + rn, mask=rn < N, other=0.0)[None, :]
+        _store_both(y_ptr, yt_ptr, _norm_h(xr, rstd, w, OUT_W_DTYPE), scale_ptr, rm, rn, mask, M, N, FMT_MAX)
+
 SWIGLU_BLOCK, SWIGLU_WARPS = 2048, 8
+# the transposing casts' tile (as kernels.cast_transpose's)
+T_BLOCK_M, T_BLOCK_N, T_WARPS = 128, 128, 8
 
 
 def _fp8(e5m2: bool) -> torch.dtype:
@@ -139,6 +186,24 @@ def _swiglu_ref(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
+def _cast_ref(h: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> torch.Tensor:
+    fmax = kernels.FP8_MAX[_fp8(e5m2)]
+    return (h.float() * scale.float()).clamp(-fmax, fmax).to(_fp8(e5m2))
+
+
+def _transposed_pair(kernel, M: int, N: int, like: torch.Tensor, e5m2: bool, *args, **constexprs):
+    """(y [M, N], yᵀ [N, M]) in FP8 from one launch of a transposing producer kernel over [T_BLOCK_M, T_BLOCK_N]
+    tiles. `args`: the kernel's inputs, then the scale; `constexprs`: its own besides the format and the tile."""
+    y = torch.empty((M, N), device=like.device, dtype=_fp8(e5m2))
+    yt = torch.empty((N, M), device=like.device, dtype=_fp8(e5m2))
+    *inputs, scale = args
+    with torch.cuda.device(like.device):
+        wrap_triton(kernel)[(triton.cdiv(M, T_BLOCK_M), triton.cdiv(N, T_BLOCK_N))](
+            *inputs, y, yt, scale.float().reshape(1), M, N, FMT_MAX=kernels.FP8_MAX[y.dtype], BM=T_BLOCK_M,
+            BN=T_BLOCK_N, num_warps=T_WARPS, **constexprs)
+    return y, yt
+
+
 @_op("lowbit::swiglu_amax")
 def swiglu_amax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """max |silu(a)·b| (NaN if one is), reading a and b once and writing nothing."""
@@ -155,24 +220,40 @@ def swiglu_cast(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, e5m2: boo
         y, amax = _swiglu_launch(a, b, scale, e5m2, True, with_amax)
         return y, amax if with_amax else torch.zeros_like(amax)
     h = _swiglu_ref(a, b)
-    fmax = kernels.FP8_MAX[_fp8(e5m2)]
-    y = (h.float() * scale.float()).clamp(-fmax, fmax).to(_fp8(e5m2))
-    return y, h.abs().amax().float() if with_amax else torch.zeros((), dtype=torch.float32, device=a.device)
+    return _cast_ref(h, scale, e5m2), \
+        h.abs().amax().float() if with_amax else torch.zeros((), dtype=torch.float32, device=a.device)
+
+
+@_op("lowbit::swiglu_cast_t")
+def swiglu_cast_t(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
+                  e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu(a)·b of 2-D a, b cast with `scale`, row-major and transposed (the bytes a weight-gradient GEMM reads),
+    in one pass."""
+    if _on_gpu(a):
+        a, b = a.contiguous(), b.contiguous()
+        return _transposed_pair(_swiglu_fp8_t_kernel, *a.shape, a, e5m2, a, b, scale)
+    y = _cast_ref(_swiglu_ref(a, b), scale, e5m2)
+    return y, y.t().contiguous()
 
 
 def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool):
     x, w = x.contiguous(), w.contiguous()
     M, N = x.shape
     y = torch.empty((M, N), device=x.device, dtype=_fp8(e5m2)) if store else x.new_empty(0, dtype=_fp8(e5m2))
-    rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32) if store else y
+    rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
     stats = torch.zeros(2, device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(N)
     with torch.cuda.device(x.device):
         wrap_triton(_rmsnorm_fp8_kernel)[(M,)](
             x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, N, eps,
-            FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=w.dtype != torch.float32 and w.dtype == x.dtype,
-            STORE=store, AMAX=True, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+            FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=_out_w_dtype(x, w), STORE=store, AMAX=True,
+            BLOCK=block, num_warps=8 if block >= 4096 else 4)
     return y, rstd, _amax_of(stats)
+
+
+def _out_w_dtype(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether torch rounds the norm's product w·(x·rstd) to w's dtype (a 16-bit weight in x's dtype)."""
+    return w.dtype != torch.float32 and w.dtype == x.dtype
 
 
 def _rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,11 +263,13 @@ def _rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Te
 
 
 @_op("lowbit::rmsnorm_amax")
-def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """max |RMSNorm(x)·w| of a 2-D x, reading x once and writing nothing."""
+def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max |RMSNorm(x)·w| of a 2-D x, the fp32 rstd of each row [M, 1]), reading x once and writing only rstd."""
     if _on_gpu(x):
-        return _rmsnorm_launch(x, w, eps, None, False, False)[2]
-    return _rmsnorm_ref(x, w, eps)[0].abs().amax().float()
+        _, rstd, amax = _rmsnorm_launch(x, w, eps, None, False, False)
+        return amax, rstd
+    h, rstd = _rmsnorm_ref(x, w, eps)
+    return h.abs().amax().float(), rstd
 
 
 @_op("lowbit::rmsnorm_cast")
@@ -197,8 +280,20 @@ def rmsnorm_cast(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tens
     if _on_gpu(x):
         return _rmsnorm_launch(x, w, eps, scale, e5m2, True)
     h, rstd = _rmsnorm_ref(x, w, eps)
-    fmax = kernels.FP8_MAX[_fp8(e5m2)]
-    return (h.float() * scale.float()).clamp(-fmax, fmax).to(_fp8(e5m2)), rstd, h.abs().amax().float()
+    return _cast_ref(h, scale, e5m2), rstd, h.abs().amax().float()
+
+
+@_op("lowbit::rmsnorm_cast_t")
+def rmsnorm_cast_t(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor,
+                   e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm(x)·w of a 2-D x given its rows' rstd (rmsnorm_amax's) cast with `scale`, row-major and transposed,
+    in one pass."""
+    if _on_gpu(x):
+        x, w = x.contiguous(), w.contiguous()
+        return _transposed_pair(_rmsnorm_fp8_t_kernel, *x.shape, x, e5m2, x, w, rstd.contiguous(), scale,
+                                OUT_W_DTYPE=_out_w_dtype(x, w))
+    y = _cast_ref(w * (x.float() * rstd).to(x.dtype), scale, e5m2)
+    return y, y.t().contiguous()
 
 
 def _current(amax: torch.Tensor, s: Scaling) -> torch.Tensor:
@@ -224,7 +319,7 @@ def rmsnorm_fp8(x: torch.Tensor, w: torch.Tensor, eps: float, s: Scaling,
     """RMSNorm(x)·w of a 2-D x as FP8, the rstd of each row and the amax: with `scale` in one pass, else by
     current scaling (an amax pass, then the cast)."""
     if scale is None:
-        scale = _current(torch.ops.lowbit.rmsnorm_amax(x, w, eps), s)
+        scale = _current(torch.ops.lowbit.rmsnorm_amax(x, w, eps)[0], s)
     y, rstd, amax = torch.ops.lowbit.rmsnorm_cast(x, w, eps, scale, s.fmt == "e5m2")
     return QTensor(y, scale.reciprocal(), s), rstd, amax
 
