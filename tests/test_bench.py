@@ -122,6 +122,7 @@ def test_saved_bytes_counts_each_storage_once_and_skips_parameters():
     (["step", "--recipes", "fp8lm-o2+train.lr=0.1"], "sets only optim.* keys"),
     (["optim", "--recipes", "fp8lm-o2+model.checkpointing=full"], "sets only optim.* keys\n"),
     (["step", "--recipes", "bf16+model.dim=64"], "model.sdpa_backend"),  # a preset's shape is not a variant
+    (["block", "--recipes", "fp8-tensorwise+optim.lr=1"], "sets only numerics.fused_producers\n"),
 ])
 def test_bench_user_errors_are_one_line(args, needle, capsys):
     code, _, err = cli(capsys, "bench", *args)
@@ -280,6 +281,29 @@ def test_bench_step_variant_trains_with_its_setting(tmp_path, capsys, monkeypatc
     assert [r["variant"] for r in rows] == ["lowbit fp8lm-o2", f"lowbit {variant}"]
     assert all("error" not in r and r["ms"] > 0 for r in rows), rows
     assert built == ["nearest", "stochastic"]
+
+
+def test_bench_block_variant_installs_the_fused_producers(tmp_path, capsys, monkeypatch):
+    """`bench block`'s one variant, numerics.fused_producers=true, times the block with its FP8 norms and SwiGLU."""
+    import lowbit.tools.bench.layers as layers
+    from lowbit.numerics.fused_producers import FP8RMSNorm, FP8SwiGLU
+
+    seen = []
+    real = layers.apply_variant
+    def recording(base, v):
+        m = real(base, v)
+        seen.append(sorted({type(x).__name__ for x in m.modules() if isinstance(x, (FP8RMSNorm, FP8SwiGLU))}))
+        return m
+
+    monkeypatch.setattr(layers, "apply_variant", recording)
+    out = tmp_path / "block.json"
+    code, _, _ = cli(capsys, "bench", "block", *FAST, *SHAPES["block"], "--torchao", "none", "--no-bf16",
+                     "--recipes", "fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true", "--out", out)
+    assert code == 0
+    assert seen == [[], ["FP8RMSNorm", "FP8SwiGLU"]]
+    rows = json.loads(out.read_text())["tables"]["block"]["rows"]
+    assert [r["variant"] for r in rows if "ms" in r] == ["lowbit fp8-tensorwise",
+                                                          "lowbit fp8-tensorwise+numerics.fused_producers=true"]
 
 
 def test_bench_step_variant_takes_numerics_settings(tmp_path, capsys, monkeypatch):

@@ -146,7 +146,7 @@ def _seqs(text: str) -> list[int]:
 
 def _resolve(a: argparse.Namespace, device) -> None:
     """Defaults for the device, and every check of the input, before anything is measured or written."""
-    from lowbit.tools.bench.common import STEP_SETTINGS, lowbit_recipes, torchao_recipes
+    from lowbit.tools.bench.common import BLOCK_SETTINGS, STEP_SETTINGS, lowbit_recipes, torchao_recipes
     from lowbit.tools.bench.layers import preset_args
 
     gpu = device.type == "cuda"
@@ -175,7 +175,8 @@ def _resolve(a: argparse.Namespace, device) -> None:
     if a.what == "attention":
         a.seq_list = _seqs(a.seqs)
     if a.what not in ("gemm", "kernels", "attention"):
-        settings = {"step": STEP_SETTINGS, "optim": ("--optim.",)}.get(a.what, ())  # what a variant may set
+        # what a variant may set
+        settings = {"step": STEP_SETTINGS, "optim": ("--optim.",), "block": BLOCK_SETTINGS}.get(a.what, ())
         a.recipe_list = lowbit_recipes(a.recipes, baseline=not a.no_bf16, variants=settings)
         a.torchao_list = torchao_recipes(a.torchao)
 

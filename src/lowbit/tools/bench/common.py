@@ -181,12 +181,14 @@ class MLP(nn.Module):
 
 # what a `bench step` variant may set: how the step computes, not what (the preset's shape stays)
 STEP_SETTINGS = ("--optim.", "--numerics.", "--model.checkpointing=", "--model.sdpa_backend=")
+BLOCK_SETTINGS = ("--numerics.fused_producers=",)  # what a `bench block` variant may set
 
 
 def lowbit_recipes(names: str, baseline: bool = True, variants: tuple[str, ...] = ()) -> list[str]:
     """The lowbit recipes asked for, bf16 first (every ratio is to it) unless `baseline` is off; unknown names are
     a user error. `variants`: the settings an entry RECIPE+section.key=value (as in `lowbit compare`) may set, the
-    trainer's config with those (`bench step`: STEP_SETTINGS; `bench optim`: optim.*); none: no variants."""
+    trainer's config with those (`bench step`: STEP_SETTINGS; `bench optim`: optim.*; `bench block`:
+    BLOCK_SETTINGS); none: no variants."""
     from lowbit.tools.compare import split_entry
     from lowbit.train.plan import load_config
 
@@ -194,8 +196,8 @@ def lowbit_recipes(names: str, baseline: bool = True, variants: tuple[str, ...] 
     for n in out:
         base, overrides = split_entry(n)
         if overrides and not variants:
-            raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step` "
-                              "and `bench optim`")
+            raise LowbitError(f"bench: --recipes: {n!r}: a variant (RECIPE+section.key=value) is for `bench step`, "
+                              "`bench optim` and `bench block`")
         if any(not o.startswith(variants) for o in overrides):  # the only settings the bench takes from a config
             keys = [k.strip("-=") + ("* keys" if k.endswith(".") else "") for k in variants]
             keys = ", ".join(keys[:-1]) + " and " + keys[-1] if len(keys) > 1 else keys[0]
@@ -242,7 +244,14 @@ def apply_variant(base: nn.Module, v: Variant) -> nn.Module:
 
     m = copy.deepcopy(base)
     if v.impl == "lowbit":
-        convert(m, get_recipe(v.recipe))
+        from lowbit.tools.compare import split_entry
+
+        recipe, overrides = split_entry(v.recipe)
+        convert(m, get_recipe(recipe))
+        if "--numerics.fused_producers=true" in overrides:  # `bench block`'s one variant (BLOCK_SETTINGS)
+            from lowbit.numerics.fused_producers import install_fused_producers
+
+            install_fused_producers(m)
     elif v.impl == "torchao":
         m = torchao_convert(m, v.recipe)
     return m
