@@ -214,8 +214,8 @@ def test_bench_step_variant_fuses_the_producers(tmp_path, capsys, monkeypatch):
 
 
 SIGNATURES = {  # the producers' kernels: (pointer and scalar types, scalars to hand over as constants, constexprs)
-    "_rmsnorm_fp8_kernel": (["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32", "fp64"],
-                            {"N": 2048, "eps": 1e-5},
+    "_rmsnorm_fp8_kernel": (["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32", "i32", "fp64"],
+                            {"M": 16384, "N": 2048, "eps": 1e-5},
                             dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=True, BLOCK=2048)),
     "_swiglu_fp8_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp32", "*fp32", "i32"], {"n": 1 << 20},
                            dict(FMT_MAX=448.0, STORE=True, AMAX=True, BLOCK=2048)),
@@ -300,8 +300,21 @@ def pair():
     return torch.empty(M, N, dtype=f8), torch.empty(N, M, dtype=f8)
 
 y1, stats = torch.empty(M, N, dtype=f8), torch.zeros(2)
-p._swiglu_fp8_kernel[((M * N + 255) // 256,)](a, b, y1, scale, stats, M * N, FMT_MAX=fmax, STORE=True, AMAX=False,
+p._swiglu_fp8_kernel[((M * N + 255) // 256,)](a, b, y1, scale, stats, M * N, FMT_MAX=fmax, STORE=True, AMAX=True,
                                               BLOCK=256)
+for grid in (1, 3):  # blocks strided over fewer programs than blocks: the same bytes and amax
+    y2, stats2 = torch.empty(M, N, dtype=f8), torch.zeros(2)
+    p._swiglu_fp8_kernel[(grid,)](a, b, y2, scale, stats2, M * N, FMT_MAX=fmax, STORE=True, AMAX=True, BLOCK=256)
+    assert torch.equal(y2.view(torch.uint8), y1.view(torch.uint8)) and torch.equal(stats2, stats), "swiglu: grid"
+h = torch.nn.functional.silu(a) * b
+assert stats[1] == 0 and torch.allclose(stats[0], h.abs().amax().float(), rtol=1e-2), "swiglu: the amax"
+an = a.clone()
+an[3, 5] = float("nan")
+stats2 = torch.zeros(2)
+p._swiglu_fp8_kernel[(3,)](an, b, y1, scale, stats2, M * N, FMT_MAX=fmax, STORE=False, AMAX=True, BLOCK=256)
+assert stats2[1] == 1 and stats2[0] == stats[0], "swiglu: a NaN is flagged, not taken for the amax"
+y1 = torch.empty(M, N, dtype=f8)
+p._swiglu_fp8_kernel[(3,)](a, b, y1, scale, stats2, M * N, FMT_MAX=fmax, STORE=True, AMAX=False, BLOCK=256)
 y, yt = pair()
 p._swiglu_fp8_t_kernel[((M + B - 1) // B, (N + B - 1) // B)](a, b, y, yt, scale, M, N, FMT_MAX=fmax, BM=B, BN=B)
 assert torch.equal(y.view(torch.uint8), y1.view(torch.uint8)), "swiglu: the tiles' bytes"
@@ -310,12 +323,18 @@ assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), 
 for out_w in (False, True):
     ww = w if out_w else w.float()
     y1, rstd, stats = torch.empty(M, N, dtype=f8), torch.empty(M, 1), torch.zeros(2)
-    p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd, scale, stats, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
+    p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd, scale, stats, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
                                 STORE=True, AMAX=True, BLOCK=128)
-    rstd2, stats2 = torch.empty(M, 1), torch.zeros(2)  # the amax pass: rstd stored, nothing cast
-    p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd2, scale, stats2, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
+    rstd2, stats2 = torch.empty(M, 1), torch.zeros(2)  # the amax pass, rows strided over 4 programs
+    p._rmsnorm_fp8_kernel[(4,)](x, ww, y1, rstd2, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
                                 STORE=False, AMAX=True, BLOCK=128)
     assert torch.equal(rstd, rstd2) and torch.equal(stats, stats2), "norm: the amax pass's rstd and amax"
+    y2 = torch.empty(M, N, dtype=f8)
+    p._rmsnorm_fp8_kernel[(4,)](x, ww, y2, rstd2, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
+                                STORE=True, AMAX=False, BLOCK=128)
+    assert torch.equal(y2.view(torch.uint8), y1.view(torch.uint8)), "norm: rows strided over the grid"
+    ref = ww.float() * (x.float() * rstd).to(x.dtype).float()
+    assert torch.allclose(stats[0], ref.abs().amax(), rtol=1e-2) and stats[1] == 0, "norm: the amax"
     y, yt = pair()
     p._rmsnorm_fp8_t_kernel[((M + B - 1) // B, (N + B - 1) // B)](x, ww, rstd, y, yt, scale, M, N, FMT_MAX=fmax,
                                                                   OUT_W_DTYPE=out_w, BM=B, BN=B)
@@ -328,7 +347,8 @@ print("ok")
 @pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
 def test_transposing_producer_kernels_write_the_row_kernels_bytes_under_the_interpreter(tmp_path):
     """The transposing casts (tiles, partial at the edges) write the bytes of the producers' one-pass kernels and
-    their exact transpose; the norm's amax pass stores the rstd its cast pass uses. Under Triton's CPU interpreter
+    their exact transpose; the norm's amax pass stores the rstd its cast pass uses; the row kernels' grid-stride
+    loops (fewer programs than blocks or rows) give the same bytes, rstd and amax, a NaN flagged apart. Under Triton's CPU interpreter
     (E5M2: its E4M3 rounding is unfaithful, the same in both kernels); a GPU test compares both with torch."""
     import os
     import subprocess
