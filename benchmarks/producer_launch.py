@@ -10,7 +10,7 @@ same producer compiled (torch.compile of a function calling it, as the compiled 
 ops' kernels from its own code). `host_us`: the CPU's time to issue one call while a sleep kernel keeps the GPU
 busy; `gpu_us`: the GPU time of the same calls, run back to back behind that sleep. A producer whose host_us
 exceeds its gpu_us leaves the GPU idle unless other work is queued ahead of it: what the fused step's GPU idle
-time is made of.
+time is made of. A second table times the transposing casts (`*_cast_t`) per tile shape.
 """
 
 from __future__ import annotations
@@ -91,6 +91,36 @@ def rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
 COLUMNS = [["variant", "producer, way", ""], ["host_us", "host µs per call", ".1f"],
            ["gpu_us", "GPU µs per call", ".1f"]]
 
+# the transposing casts' tiles tried: (rows, columns, warps); the first is producers.py's
+TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 4), (64, 128, 8), (32, 128, 4))
+
+
+def tile_rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
+    """The transposing casts alone (swiglu_cast_t, rmsnorm_cast_t: FP8 row-major and transposed in one pass) per
+    tile shape, GPU time and the bandwidth of the bytes they must move (bf16 inputs read, two FP8 copies written)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.ones(dim, device="cuda", dtype=torch.float32)
+    a, b = (torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    scale = torch.ones((), device="cuda")
+    rstd = torch.ones(tokens, 1, device="cuda")
+    kept = producers.T_BLOCK_M, producers.T_BLOCK_N, producers.T_WARPS
+    out = []
+    try:
+        for bm, bn, warps in TILES:
+            producers.T_BLOCK_M, producers.T_BLOCK_N, producers.T_WARPS = bm, bn, warps
+            for name, fn, moved in (
+                    ("swiglu_cast_t", lambda: torch.ops.lowbit.swiglu_cast_t(a, b, scale, False), 6 * a.numel()),
+                    ("rmsnorm_cast_t", lambda: torch.ops.lowbit.rmsnorm_cast_t(x, w, rstd, scale, False),
+                     4 * x.numel())):
+                us = timed(fn, calls)["gpu_us"]
+                out.append(dict(variant=f"{name}, {bm} x {bn} tile, {warps} warps", gpu_us=us,
+                                gb_per_s=round(moved / us / 1e3, 1)))
+                print(json.dumps(out[-1]), flush=True)
+    finally:
+        producers.T_BLOCK_M, producers.T_BLOCK_N, producers.T_WARPS = kept
+    return out
+
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -106,8 +136,12 @@ def main(argv=None) -> None:
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
     table = dict(title=f"FP8 producers, {a.tokens} tokens (norm dim {a.dim}, SwiGLU hidden {a.hidden}), bf16",
                  columns=COLUMNS, rows=rows(a.tokens, a.dim, a.hidden, a.calls))
+    tiles = dict(title=f"the transposing casts per tile, {a.tokens} tokens (norm dim {a.dim}, SwiGLU hidden "
+                       f"{a.hidden}), bf16 to E4M3", rows=tile_rows(a.tokens, a.dim, a.hidden, a.calls),
+                 columns=[["variant", "kernel, tile", ""], ["gpu_us", "GPU µs per call", ".1f"],
+                          ["gb_per_s", "GB/s of the bytes moved", ",.1f"]])
     with open(a.out, "w") as f:
-        json.dump(dict(meta=meta, what="launch", tables={"launch": table}), f, indent=1)
+        json.dump(dict(meta=meta, what="launch", tables={"launch": table, "tiles": tiles}), f, indent=1)
     print(f"wrote {a.out}")
 
 
