@@ -257,6 +257,46 @@ SIGNATURES.update({
                              {"M": 16384, "N": 5632}, dict(FMT_MAX=448.0, BM=128, BN=128)),
 })
 
+@pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
+def test_compiles_analysis_finds_each_producer_kernel_writing_only_its_outputs(monkeypatch):
+    """torch.compile reads a triton_op's kernel (its Triton IR for the GPU's target) to learn which tensors it
+    writes; where that analysis fails it takes every input as written and copies them first (a norm kernel once
+    did). Each producer kernel, loops and all, is found to write exactly its outputs; no GPU needed (a Hopper
+    target given in place of the driver's)."""
+    import triton
+    from torch._higher_order_ops import triton_kernel_wrap as wrap
+    from triton.backends.compiler import GPUTarget
+
+    from lowbit.numerics import producers as p
+
+    monkeypatch.setattr(triton.runtime.driver, "_active",
+                        type("Hopper", (), {"get_current_target": lambda self: GPUTarget("cuda", 90, 32)})())
+    M, N = 256, 512
+    a, b, x = (torch.empty(M, N, dtype=torch.bfloat16) for _ in range(3))
+    w, scale, stats, rstd = torch.ones(N), torch.ones(1), torch.zeros(2), torch.empty(M, 1)
+    y, yt = torch.empty(M, N, dtype=torch.float8_e4m3fn), torch.empty(N, M, dtype=torch.float8_e4m3fn)
+    row = dict(FMT_MAX=448.0, STORE=True, AMAX=True)
+    tile = dict(y_ptr=y, yt_ptr=yt, scale_ptr=scale, M=M, N=N, FMT_MAX=448.0, BM=128, BN=128)
+    cases = {
+        "_swiglu_fp8_kernel": (dict(a_ptr=a, b_ptr=b, y_ptr=y, scale_ptr=scale, stats_ptr=stats, n=M * N, BLOCK=2048,
+                                    **row), {"y_ptr", "stats_ptr"}),
+        "_rmsnorm_fp8_kernel": (dict(x_ptr=x, w_ptr=w, y_ptr=y, rstd_ptr=rstd, scale_ptr=scale, stats_ptr=stats, M=M,
+                                     N=N, eps=1e-5, OUT_W_DTYPE=False, BLOCK=N, **row),
+                                {"y_ptr", "rstd_ptr", "stats_ptr"}),
+        "_swiglu_fp8_t_kernel": (dict(a_ptr=a, b_ptr=b, **tile), {"y_ptr", "yt_ptr"}),
+        "_rmsnorm_fp8_t_kernel": (dict(x_ptr=x, w_ptr=w, rstd_ptr=rstd, OUT_W_DTYPE=False, **tile),
+                                  {"y_ptr", "yt_ptr"}),
+    }
+    assert set(cases) == set(SIGNATURES)
+    for name, (kwargs, written) in cases.items():
+        kernel = getattr(p, name)
+        if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13
+            found = {d.name for d in wrap.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes}
+        else:  # torch 2.11
+            found = set(wrap.identify_mutated_tensors(kernel, kwargs, {}))
+        assert found == written, name
+
+
 TRANSPOSING_CHECK = r"""
 import types
 
