@@ -388,8 +388,9 @@ print("ok")
 def test_transposing_producer_kernels_write_the_row_kernels_bytes_under_the_interpreter(tmp_path):
     """The transposing casts (tiles, partial at the edges) write the bytes of the producers' one-pass kernels and
     their exact transpose; the norm's amax pass stores the rstd its cast pass uses; the row kernels' grid-stride
-    loops (fewer programs than blocks or rows) give the same bytes, rstd and amax, a NaN flagged apart. Under Triton's CPU interpreter
-    (E5M2: its E4M3 rounding is unfaithful, the same in both kernels); a GPU test compares both with torch."""
+    loops (fewer programs than blocks or rows) give the same bytes, rstd and amax, a NaN flagged apart. Under
+    Triton's CPU interpreter (E5M2: its E4M3 rounding is unfaithful, the same in both kernels); a GPU test compares
+    both with torch."""
     import os
     import subprocess
     import sys

@@ -87,6 +87,7 @@ if triton is not None:
     def _swiglu_fp8_kernel(a_ptr, b_ptr, y_ptr, scale_ptr, stats_ptr, n, FMT_MAX: tl.constexpr,
                            STORE: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
         # BLOCK-element blocks of silu(a)·b, strided over the grid (_grid); STORE: written as FP8
+        scale = tl.load(scale_ptr)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         nan = tl.zeros([BLOCK], dtype=tl.float32)
         for i in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
@@ -96,7 +97,7 @@ if triton is not None:
             if AMAX:
                 acc, nan = _amax_acc(acc, nan, h, mask)
             if STORE:
-                tl.store(y_ptr + offs, _to_fp8(h, tl.load(scale_ptr), FMT_MAX, y_ptr.dtype.element_ty), mask=mask)
+                tl.store(y_ptr + offs, _to_fp8(h, scale, FMT_MAX, y_ptr.dtype.element_ty), mask=mask)
         if AMAX:
             _amax_into(stats_ptr, acc, nan)
 
@@ -109,6 +110,7 @@ if triton is not None:
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+        scale = tl.load(scale_ptr)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         nan = tl.zeros([BLOCK], dtype=tl.float32)
         for r in range(tl.program_id(0), M, tl.num_programs(0)):
@@ -127,8 +129,7 @@ if triton is not None:
             if AMAX:
                 acc, nan = _amax_acc(acc, nan, h, mask)
             if STORE:
-                tl.store(y_ptr + row * N + cols, _to_fp8(h, tl.load(scale_ptr), FMT_MAX, y_ptr.dtype.element_ty),
-                         mask=mask)
+                tl.store(y_ptr + row * N + cols, _to_fp8(h, scale, FMT_MAX, y_ptr.dtype.element_ty), mask=mask)
         if AMAX:
             _amax_into(stats_ptr, acc, nan)
 

@@ -245,10 +245,12 @@ def apply_variant(base: nn.Module, v: Variant) -> nn.Module:
     m = copy.deepcopy(base)
     if v.impl == "lowbit":
         from lowbit.tools.compare import split_entry
+        from lowbit.train.plan import load_config
 
         recipe, overrides = split_entry(v.recipe)
         convert(m, get_recipe(recipe))
-        if "--numerics.fused_producers=true" in overrides:  # `bench block`'s one variant (BLOCK_SETTINGS)
+        # `bench block`'s one variant (BLOCK_SETTINGS), its value read as the trainer reads it
+        if overrides and load_config(None, ["--recipe", recipe, *overrides]).numerics.fused_producers:
             from lowbit.numerics.fused_producers import install_fused_producers
 
             install_fused_producers(m)
