@@ -133,6 +133,9 @@ STEPS: tuple[Step, ...] = (
                                      "mlp_7b_eager_torch_{dev}.json"),
           "python3 benchmarks/quantize_sweep.py --out {out}/quantize_sweep_{dev}.json"),
          ("mlp_7b_{dev}.json", "mlp_7b_eager_{dev}.json")),
+    Step("kernels-7b", "the fused cast + transpose and the fused producers against their unfused passes and the "
+         "memory floor, and the MLP with the fused tail (7B shapes, 16384 tokens)",
+         (bench("kernels", "kernels_7b_{dev}.json"),), ("kernels_7b_{dev}.json",)),
     Step("gemm-7b", "the 7B MLP's GEMMs", (bench("gemm", "gemm_7b_mlp_{dev}.json"),), ("gemm_7b_mlp_{dev}.json",)),
     Step("memory-1b", "activations saved for backward at 1b",
          (bench("memory --eager --recipes bf16,fp8-tensorwise,fp8-tensorwise-coat --torchao tensorwise",
