@@ -20,7 +20,7 @@ from lowbit.numerics.qtensor import quantize
 from lowbit.numerics.scaling import Scaling
 from lowbit.tools.bench.common import graph_ms
 
-DEFAULTS = {k: getattr(kernels, k) for k in ("AMAX_BLOCK", "AMAX_ITERS", "AMAX_WARPS", "CAST_BLOCK", "CAST_WARPS",
+DEFAULTS = {k: getattr(kernels, k) for k in ("AMAX_BLOCK", "AMAX_PER_SM", "AMAX_WARPS", "CAST_BLOCK", "CAST_WARPS",
                                              "REVERSE")}
 
 
@@ -67,11 +67,11 @@ def main() -> None:
 
     # the amax pass alone first, then the cast's settings with the best amax
     best_amax, best = {}, None
-    for block, iters, warps in itertools.product((2048, 4096, 8192), (4, 16, 64), (4, 8, 16)):
-        kw = {"AMAX_BLOCK": block, "AMAX_ITERS": iters, "AMAX_WARPS": warps}
+    for block, per_sm, warps in itertools.product((2048, 4096, 8192), (2, 4, 8, 16), (4, 8, 16)):
+        kw = {"AMAX_BLOCK": block, "AMAX_PER_SM": per_sm, "AMAX_WARPS": warps}
         use(**kw)
         ms = graph_ms(lambda: kernels.amax(next(turn)), dev)
-        row(f"amax {block} x {iters}, {warps} warps", ms, x.numel() * 2 / 1e6, **kw)
+        row(f"amax {block}, {per_sm} programs per SM, {warps} warps", ms, x.numel() * 2 / 1e6, **kw)
         if best is None or ms < best:
             best, best_amax = ms, kw
     for block, warps, reverse in itertools.product((2048, 4096, 8192), (4, 8), (False, True)):

@@ -380,6 +380,16 @@ for out_w in (False, True):
                                                                   OUT_W_DTYPE=out_w, BM=B, BN=B)
     assert torch.equal(y.view(torch.uint8), y1.view(torch.uint8)), "norm: the tiles' bytes"
     assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), "norm: the transpose"
+
+xs = torch.randn(10_000).mul(7).to(torch.bfloat16)  # kernels.amax's pass: 40 blocks, the last one partial
+for grid in (1, 3, 40):
+    stats = torch.zeros(2)
+    p.kernels._amax_kernel[(grid,)](xs, stats, xs.numel(), BLOCK=256)
+    assert stats[0] == xs.abs().amax().float() and stats[1] == 0, "amax: blocks strided over the grid"
+xs[9_999] = float("nan")
+stats = torch.zeros(2)
+p.kernels._amax_kernel[(3,)](xs, stats, xs.numel(), BLOCK=256)
+assert stats[1] == 1 and stats[0] == xs[:9_999].abs().amax().float(), "amax: a NaN flagged apart"
 print("ok")
 """
 
@@ -388,7 +398,8 @@ print("ok")
 def test_transposing_producer_kernels_write_the_row_kernels_bytes_under_the_interpreter(tmp_path):
     """The transposing casts (tiles, partial at the edges) write the bytes of the producers' one-pass kernels and
     their exact transpose; the norm's amax pass stores the rstd its cast pass uses; the row kernels' grid-stride
-    loops (fewer programs than blocks or rows) give the same bytes, rstd and amax, a NaN flagged apart. Under
+    loops (fewer programs than blocks or rows) give the same bytes, rstd and amax, a NaN flagged apart, and so does
+    kernels.amax's pass. Under
     Triton's CPU interpreter (E5M2: its E4M3 rounding is unfaithful, the same in both kernels); a GPU test compares
     both with torch."""
     import os

@@ -26,10 +26,11 @@ except ImportError:  # a CPU install: the torch formulas serve
 
 # LOWBIT_TRITON=0 keeps the torch formulas everywhere (to compare, or to rule the kernels out)
 ENABLED = os.environ.get("LOWBIT_TRITON", "1") != "0"
-# Launch settings, module globals so that benchmarks/quantize_sweep.py can try others. REVERSE: the cast walks the
-# tensor from its end, where the amax pass read last, so the part of x still in L2 (up to ~50 MB on a Hopper) is
-# read from there instead of from HBM; the result does not depend on the order.
-AMAX_BLOCK, AMAX_ITERS, AMAX_WARPS, CAST_BLOCK, CAST_WARPS, REVERSE = 4096, 16, 8, 4096, 8, True
+# Launch settings, module globals so that benchmarks/quantize_sweep.py can try others. AMAX_PER_SM: the amax pass's
+# programs per SM, each walking blocks of AMAX_BLOCK in a grid-stride loop (one atomic pair per program). REVERSE:
+# the cast walks the tensor from its end, where the amax pass read last, so the part of x still in L2 (up to ~50 MB
+# on a Hopper) is read from there instead of from HBM; the result does not depend on the order.
+AMAX_BLOCK, AMAX_PER_SM, AMAX_WARPS, CAST_BLOCK, CAST_WARPS, REVERSE = 4096, 8, 8, 4096, 8, True
 
 
 def usable(x: torch.Tensor) -> bool:
@@ -43,6 +44,18 @@ def usable(x: torch.Tensor) -> bool:
             and x.dtype in (torch.float32, torch.bfloat16, torch.float16) and _has_fp8(x.device.index))
 
 
+@functools.cache
+def sms(index: int | None) -> int:
+    """The GPU's streaming multiprocessors (a grid-stride kernel's grid is a few programs per SM)."""
+    return torch.cuda.get_device_properties(index if index is not None else 0).multi_processor_count
+
+
+def grid_stride(device: torch.device, work: int, per_sm: int) -> int:
+    """Programs for `work` blocks or rows walked in a grid-stride loop: at most `per_sm` per SM, so that each program
+    sums its share of a reduction and adds it to the total by one atomic."""
+    return max(1, min(work, per_sm * sms(device.index)))
+
+
 @functools.lru_cache
 def _has_fp8(index: int | None) -> bool:
     """Triton casts to E4M3 from compute capability 8.9 (Ada, Hopper) on; older GPUs keep the torch formulas."""
@@ -52,13 +65,13 @@ def _has_fp8(index: int | None) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _amax_kernel(x_ptr, stats_ptr, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-        # stats: [max |x| over the finite and infinite values, 1 if any NaN], both reduced by atomic max (>= 0)
-        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+    def _amax_kernel(x_ptr, stats_ptr, n, BLOCK: tl.constexpr):
+        # stats: [max |x| over the finite and infinite values, 1 if any NaN], both reduced by atomic max (>= 0);
+        # BLOCK-element blocks strided over the grid (grid_stride)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         nan = tl.zeros([BLOCK], dtype=tl.float32)
-        for i in range(ITERS):
-            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+        for i in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
+            offs = tl.cast(i, tl.int64) * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
             acc = tl.maximum(acc, tl.where(x != x, 0.0, tl.abs(x)))
             nan = tl.maximum(nan, tl.where(x != x, 1.0, 0.0))
@@ -116,8 +129,8 @@ def _stats(x: torch.Tensor) -> torch.Tensor:
     stats = torch.zeros(2, device=x.device, dtype=torch.float32)
     n = x.numel()
     with torch.cuda.device(x.device):  # Triton launches on the current device's stream
-        _amax_kernel[(triton.cdiv(n, AMAX_BLOCK * AMAX_ITERS),)](x, stats, n, BLOCK=AMAX_BLOCK, ITERS=AMAX_ITERS,
-                                                                num_warps=AMAX_WARPS)
+        _amax_kernel[(grid_stride(x.device, triton.cdiv(n, AMAX_BLOCK), AMAX_PER_SM),)](
+            x, stats, n, BLOCK=AMAX_BLOCK, num_warps=AMAX_WARPS)
     return stats
 
 

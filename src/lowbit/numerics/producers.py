@@ -33,8 +33,6 @@ only (no build step).
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 from torch.library import custom_op, triton_op, wrap_triton
@@ -168,15 +166,9 @@ SWIGLU_BLOCK, SWIGLU_WARPS = 2048, 8
 PROGRAMS_PER_SM = 8  # the row kernels' grid: enough programs to keep every SM's memory pipes full
 
 
-@functools.cache
-def _sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
 
 def _grid(device: torch.device, work: int) -> int:
-    """Programs for `work` blocks or rows walked in a grid-stride loop: at most PROGRAMS_PER_SM per SM, so that each
-    program sums its share of the amax and adds it to the total by one atomic."""
-    return max(1, min(work, PROGRAMS_PER_SM * _sms(device.index if device.index is not None else 0)))
+    return kernels.grid_stride(device, work, PROGRAMS_PER_SM)
 
 # the transposing casts' tile (as kernels.cast_transpose's)
 T_BLOCK_M, T_BLOCK_N, T_WARPS = 128, 128, 8
