@@ -5,8 +5,8 @@ what OCC costs on top of plain FP4 and FP8, and whether torch.compile traces it.
         [--recipes fp4,fp4:sparse,fp4-no-occ,fp8-tensorwise] [--modes eager,compiled] [--autocast bf16]
         [--out F.json]
 
-A recipe name with `:sparse` or `:dense` sets its OCC products (lowbit.numerics.fp4.OCC.products). --autocast bf16 runs the
-layer under bf16 autocast, as the trainer does on a GPU (default there; fp32 on the CPU).
+A recipe name with `:dense`, `:fp8` or `:sparse` sets its OCC products (lowbit.numerics.fp4.OCC.products).
+--autocast bf16 runs the layer under bf16 autocast, as the trainer does on a GPU (default there; fp32 on the CPU).
 """
 
 from __future__ import annotations

@@ -117,7 +117,7 @@ STEPS: tuple[Step, ...] = (
          ("producer_launch_{dev}.json",)),
     Step("recipes-1b", "the 1b step of fp8lm-o2, nanotron-r2 and fp4 beside fp8-tensorwise",
          ("TORCH_LOGS=recompiles " + bench(f"{S1B} --no-bf16 --torchao none --profile "
-                                           "--recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4",
+                                           "--recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4,fp4+numerics.occ_products=fp8",
                                            "step_1b_recipes_{dev}.json"),), ("step_1b_recipes_{dev}.json",)),
     Step("graphs-1b", "fp8lm-o2 and nanotron-r2 with and without the optimizer's CUDA graphs",
          (bench(f"{S1B} --no-bf16 --torchao none --profile --recipes fp8lm-o2+optim.cuda_graphs=false,fp8lm-o2,"
@@ -150,7 +150,7 @@ STEPS: tuple[Step, ...] = (
           "step_125m_profile_{dev}.json")),
     Step("occ", "one OCC linear (fp4) beside fp8-tensorwise",
          ("python3 benchmarks/occ_linear.py --device cuda --tokens 16384 --dims 1024,4096 "
-          "--recipes fp4,fp4:sparse,fp4-no-occ,fp8-tensorwise --out {out}/occ_linear_{dev}.json",),
+          "--recipes fp4,fp4:fp8,fp4:sparse,fp4-no-occ,fp8-tensorwise --out {out}/occ_linear_{dev}.json",),
          ("occ_linear_{dev}.json",)),
     Step("performer", "Performer against SDPA flash attention",
          ("python3 benchmarks/performer.py --chunks 256,1024 --profile 16384 --out {out}/performer_{dev}.json",),

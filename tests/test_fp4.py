@@ -135,6 +135,48 @@ def test_dense_products_under_bf16_autocast_match_the_fp32_sparse_ones_to_bf16_r
         assert (a - b).abs().max().item() <= 2 ** -7 * b.abs().max().item()
 
 
+def _e4m3_per_tensor(t: torch.Tensor, fmt=torch.float8_e4m3fn, fmax=448.0) -> torch.Tensor:
+    # the value an FP8 operand carries: one current scale per tensor (fmax / amax), round to nearest even
+    scale = fmax / t.abs().amax().float()
+    return (t.float() * scale).clamp(-fmax, fmax).to(fmt).float() / scale
+
+
+def test_fp8_products_are_the_dense_products_through_fp8_operands():
+    """products = "fp8": the compensation terms ΔY·Wᵀ and dyᵀ·ΔY computed from E4M3 ΔY and W and E5M2 dy (one
+    scale per tensor each), fp32 sums; within FP8's rounding of the exact products, which are a real part of y."""
+    from lowbit.numerics.gemm import scaled_matmul
+    from lowbit.numerics.qtensor import quantize
+    from lowbit.numerics.scaling import Scaling
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 128, generator=g) / torch.rand(256, 128, generator=g).clamp(min=0.05)  # heavy tails
+    w = torch.randn(64, 128, generator=g) * 0.05
+    up = torch.randn(256, 64, generator=g)
+    from lowbit.train.plan import load_config, resolve_recipe
+
+    got = resolve_recipe(load_config(None, ["--recipe", "fp4", "--numerics.occ_products", "fp8"])).linear.occ
+    assert got.products == "fp8" and resolve_recipe(load_config(None, ["--recipe", "fp4"])).linear.occ.products == \
+        "dense"
+    layer, xi = _layer(OCC(0.99, "exact", "fp8"), None, w), x.clone().requires_grad_()
+    y = layer(xi)
+    y.backward(up)
+    q = abs_quantile(x, 0.99, "exact")
+    clamped = x.clamp(-q, q)
+    dense = x - clamped
+    f4, g8 = Scaling("e2m1", "row"), Scaling("e4m3", "row")
+    qx = quantize(clamped, f4)
+    main = scaled_matmul(qx, quantize(w, f4))
+    comp = _e4m3_per_tensor(dense) @ _e4m3_per_tensor(w).t()
+    torch.testing.assert_close(y.detach(), main + comp, rtol=1e-5, atol=1e-5)
+    exact = dense @ w.t()
+    assert (comp - exact).norm() < 2 ** -3 * exact.norm() and (comp - exact).norm() > 0  # FP8's rounding, no more
+    wgrad = scaled_matmul(quantize(up.t(), g8), quantize(qx.dequantize().t(), f4))
+    comp_w = _e4m3_per_tensor(up.t(), torch.float8_e5m2, 57344.0) @ _e4m3_per_tensor(dense.t()).t()
+    torch.testing.assert_close(layer.weight.grad, wgrad + comp_w, rtol=1e-5, atol=1e-5)
+    exact_w = up.t() @ dense
+    assert (comp_w - exact_w).norm() < 2 ** -2 * exact_w.norm()
+
+
 def test_sampled_quantile_sees_every_channel():
     g = torch.Generator().manual_seed(0)
     for channels in ([5, 77, 301], [0, 32, 64, 96]):  # off and on any power-of-two stride

@@ -34,6 +34,7 @@ import torch
 from lowbit.errors import LowbitError
 
 QUANTILE_SAMPLE = 1 << 16  # elements the sampled quantile looks at
+PRODUCTS = ("dense", "fp8", "sparse")  # OCC.products
 
 
 @dataclass(frozen=True)
@@ -54,9 +55,10 @@ class OCC:
     quantile: str = "sample"  # exact (a selection over every element) | sample (over whole, evenly spaced tokens)
     # How ΔY·Wᵀ and ΔYᵀ·dY are computed. dense: ΔY as a dense matrix (zeros but for the outliers) in the GEMM's
     # compute dtype (bf16 under autocast, as the bf16 baseline computes the whole product), two dense GEMMs the
-    # size of the layer's, no host sync of their own. sparse: torch.sparse products in fp32 (1/100 of the FLOPs
-    # at α = 0.99, but COO SpMM and a host sync each). Both keep the residual for backward as the C (index,
-    # value) pairs.
+    # size of the layer's, no host sync of their own. fp8: the same dense products as FP8 GEMMs (`occ_fp8_mm`:
+    # ΔY and W in E4M3, dy in E5M2, one current scale per tensor), at FP8's speed and 3 bits of mantissa for the
+    # residual (still 2 more than E2M1's). sparse: torch.sparse products in fp32 (1/100 of the FLOPs at α =
+    # 0.99, but COO SpMM and a host sync each). All keep the residual for backward as the C (index, value) pairs.
     products: str = "dense"
 
     def __post_init__(self):
@@ -64,8 +66,8 @@ class OCC:
             raise LowbitError(f"OCC: alpha must be in (0, 1], got {self.alpha}")
         if self.quantile not in ("exact", "sample"):
             raise LowbitError(f"OCC: quantile {self.quantile!r} is not one of exact, sample")
-        if self.products not in ("dense", "sparse"):
-            raise LowbitError(f"OCC: products {self.products!r} is not one of dense, sparse")
+        if self.products not in PRODUCTS:
+            raise LowbitError(f"OCC: products {self.products!r} is not one of {', '.join(PRODUCTS)}")
 
 
 def _interval(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -156,6 +158,16 @@ def occ_dense(idx: torch.Tensor, val: torch.Tensor, shape, dtype: torch.dtype) -
     flat = torch.zeros(n + 1, dtype=dtype, device=val.device)
     flat.index_put_((torch.where(val != 0, idx, n),), val.to(dtype))
     return flat[:n].view(shape[0], shape[1])
+
+
+def occ_fp8_mm(a: torch.Tensor, b: torch.Tensor, a_fmt: str = "e4m3") -> torch.Tensor:
+    """a [M, K] @ b [N, K]ᵀ in fp32 as one FP8 GEMM: a in `a_fmt` (E5M2 for a gradient), b in E4M3, each with one
+    current scale per tensor (OCC's compensation products with `products = "fp8"`)."""
+    from lowbit.numerics.gemm import scaled_matmul
+    from lowbit.numerics.qtensor import quantize
+    from lowbit.numerics.scaling import Scaling
+
+    return scaled_matmul(quantize(a, Scaling(a_fmt)), quantize(b, Scaling("e4m3")), torch.float32)
 
 
 @torch.library.custom_op("lowbit::occ_mm", mutates_args=())

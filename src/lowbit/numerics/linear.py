@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.numerics.fp4 import DGE, OCC, dge_factor, occ_dense, occ_mm, occ_split, occ_wgrad
+from lowbit.numerics.fp4 import DGE, OCC, dge_factor, occ_dense, occ_fp8_mm, occ_mm, occ_split, occ_wgrad
 from lowbit.numerics.gemm import scaled_matmul
 from lowbit.numerics.qtensor import QTensor, cast, cast_transpose, quantize, transpose_fused
 from lowbit.numerics.scaling import Scaling, all_max, expand_groups, group_amax, scale_from_amax
@@ -142,6 +142,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             if occ_idx is not None and r.occ.products == "dense":  # OCC compensation, ΔY·Wᵀ in out_dtype
                 delta = (x.reshape(x2.shape).float() - x2.float()).to(out_dtype)
                 y = (y.float() + (delta @ weight.to(out_dtype).t()).float()).to(out_dtype)
+            elif occ_idx is not None and r.occ.products == "fp8":  # ΔY·Wᵀ as an FP8 GEMM
+                y = (y.float() + occ_fp8_mm(x.reshape(x2.shape).float() - x2.float(), weight)).to(out_dtype)
             elif occ_idx is not None:  # sparse, in fp32
                 y = (y.float() + occ_mm(occ_idx, occ_val, weight.float(), x2.shape[0])).to(out_dtype)
         if telemetry_layer is not None:
@@ -205,6 +207,9 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             if occ_idx is not None and r.occ.products == "dense":  # the compensation's dW, dyᵀ·ΔY (no DGE)
                 delta = occ_dense(occ_idx, occ_val, (dy2.shape[0], weight.shape[1]), dy2.dtype)
                 dw = dw + (dy2.t() @ delta).to(dw.dtype)
+            elif occ_idx is not None and r.occ.products == "fp8":  # dyᵀ·ΔY as an FP8 GEMM (dy in E5M2)
+                delta = occ_dense(occ_idx, occ_val, (dy2.shape[0], weight.shape[1]), dy2.dtype)
+                dw = dw + occ_fp8_mm(dy2.t(), delta.t(), "e5m2").to(dw.dtype)
             elif occ_idx is not None:
                 dw = dw + occ_wgrad(occ_idx, occ_val, dy2, weight.shape[1]).t().to(dw.dtype)
         seen = torch.cat([reports, report(amax if g.granularity == "tensor" else None, bad)[None]]) \

@@ -131,6 +131,16 @@ def with_dge(recipe: Recipe, k: float | None = None, clamp: float | None = None)
     return replace(recipe, linear=replace(recipe.linear, dge=replace(recipe.linear.dge, **over)))
 
 
+def with_occ_products(recipe: Recipe, products: str = "") -> Recipe:
+    """The recipe with its OCC compensation products overridden where given (numerics.occ_products)."""
+    if not products:
+        return recipe
+    if recipe.linear is None or recipe.linear.occ is None:
+        have = ", ".join(name for name, r in RECIPES.items() if r.linear is not None and r.linear.occ is not None)
+        raise LowbitError(f"numerics.occ_products: recipe {recipe.name} has no OCC ({have} have)")
+    return replace(recipe, linear=replace(recipe.linear, occ=replace(recipe.linear.occ, products=products)))
+
+
 def with_scaling(recipe: Recipe, strategy: str = "", history: int | None = None, interval: int | None = None,
                  margin: int | None = None) -> Recipe:
     """The recipe with the scaling of its linears' GEMM operands (input, weight, grad_output) overridden where

@@ -110,6 +110,8 @@ class NumericsConfig:
                                     "recipe's (5)")
     dge_clamp: float | None = opt(None, "recipes with DGE (fp4): the largest factor it multiplies a weight gradient "
                                         "by; unset: the recipe's (3)")
+    occ_products: str = opt("", "recipes with OCC (fp4): how its compensation products are computed: dense (bf16 "
+                                "GEMMs), fp8 (FP8 GEMMs), sparse (fp32 sparse products); empty: the recipe's (dense)")
     # The scaling ablations of nanotron and FP8-LM, over every GEMM operand of the recipe's linears
     scaling: str = opt("", "scale strategy of every operand: current | delayed (one scale per tensor only); "
                            "empty: the recipe's")
@@ -322,6 +324,7 @@ CHOICES = {
     "model.attention": ("sdpa", "performer"),
     "model.sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math"),
     "numerics.scaling": ("", "current", "delayed"),
+    "numerics.occ_products": ("", "dense", "fp8", "sparse"),
     "model.checkpointing": ("none", "full", "selective"),
     "train.compile_scope": COMPILE_SCOPES,
     "train.dtype": ("auto", "fp32", "bf16"),
