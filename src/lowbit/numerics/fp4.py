@@ -32,6 +32,9 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.numerics.gemm import scaled_matmul
+from lowbit.numerics.qtensor import quantize
+from lowbit.numerics.scaling import Scaling
 
 QUANTILE_SAMPLE = 1 << 16  # elements the sampled quantile looks at
 PRODUCTS = ("dense", "fp8", "sparse")  # OCC.products
@@ -163,10 +166,6 @@ def occ_dense(idx: torch.Tensor, val: torch.Tensor, shape, dtype: torch.dtype) -
 def occ_fp8_mm(a: torch.Tensor, b: torch.Tensor, a_fmt: str = "e4m3") -> torch.Tensor:
     """a [M, K] @ b [N, K]ᵀ in fp32 as one FP8 GEMM: a in `a_fmt` (E5M2 for a gradient), b in E4M3, each with one
     current scale per tensor (OCC's compensation products with `products = "fp8"`)."""
-    from lowbit.numerics.gemm import scaled_matmul
-    from lowbit.numerics.qtensor import quantize
-    from lowbit.numerics.scaling import Scaling
-
     return scaled_matmul(quantize(a, Scaling(a_fmt)), quantize(b, Scaling("e4m3")), torch.float32)
 
 
