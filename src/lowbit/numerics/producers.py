@@ -166,9 +166,9 @@ SWIGLU_BLOCK, SWIGLU_WARPS = 2048, 8
 PROGRAMS_PER_SM = 8  # the row kernels' grid: enough programs to keep every SM's memory pipes full
 
 
-
 def _grid(device: torch.device, work: int) -> int:
     return kernels.grid_stride(device, work, PROGRAMS_PER_SM)
+
 
 # the transposing casts' tile (as kernels.cast_transpose's)
 T_BLOCK_M, T_BLOCK_N, T_WARPS = 128, 128, 8

@@ -324,7 +324,7 @@ CHOICES = {
     "model.attention": ("sdpa", "performer"),
     "model.sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math"),
     "numerics.scaling": ("", "current", "delayed"),
-    "numerics.occ_products": ("", "dense", "fp8", "sparse"),
+    "numerics.occ_products": None,  # filled from numerics.fp4 (PRODUCTS) at validation time
     "model.checkpointing": ("none", "full", "selective"),
     "train.compile_scope": COMPILE_SCOPES,
     "train.dtype": ("auto", "fp32", "bf16"),
@@ -363,9 +363,10 @@ def validate(cfg: Config) -> None:
     """Each field on its own (choices, ranges), and the fields of one section together; what combines sections
     (the recipe with the model, the data and the layout) is the run's plan (`lowbit.train.plan.check`)."""
     from lowbit.models.llama import PRESETS
+    from lowbit.numerics.fp4 import PRODUCTS
     from lowbit.numerics.recipes import RECIPES
 
-    choices = dict(CHOICES, **{"model.preset": tuple(PRESETS)})
+    choices = dict(CHOICES, **{"model.preset": tuple(PRESETS), "numerics.occ_products": ("", *PRODUCTS)})
     for key, allowed in choices.items():
         if get(cfg, key) not in allowed:
             shown = ", ".join(str(a) if a != "" else "(empty)" for a in allowed)
