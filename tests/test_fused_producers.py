@@ -216,7 +216,12 @@ def test_bench_step_variant_fuses_the_producers(tmp_path, capsys, monkeypatch):
 SIGNATURES = {  # the producers' kernels: (pointer and scalar types, scalars to hand over as constants, constexprs)
     "_rmsnorm_fp8_kernel": (["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32", "i32", "fp64"],
                             {"M": 16384, "N": 2048, "eps": 1e-5},
-                            dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=True, BLOCK=2048)),
+                            dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=True, BLOCK=2048,
+                                 RSTD_GIVEN=False)),
+    "_rmsnorm_fp8_kernel rstd given": (["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32", "i32",
+                                        "fp64"], {"M": 16384, "N": 2048, "eps": 1e-5},
+                                       dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=False, BLOCK=2048,
+                                            RSTD_GIVEN=True)),
     "_swiglu_fp8_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp32", "*fp32", "i32"], {"n": 1 << 20},
                            dict(FMT_MAX=448.0, STORE=True, AMAX=True, BLOCK=2048)),
 }
@@ -236,7 +241,7 @@ def test_producer_kernels_build_for_hopper_with_scalars_handed_either_way(kernel
 
     from lowbit.numerics import producers
 
-    fn = getattr(producers, kernel)
+    fn = getattr(producers, kernel.split()[0])
     types, numbers, constexprs = SIGNATURES[kernel]
     constants = {**constexprs, **(numbers if scalars == "constants" else {})}
     signature = {**dict(zip(fn.arg_names, types)), **{name: "constexpr" for name in constants}}
@@ -281,15 +286,18 @@ def test_compiles_analysis_finds_each_producer_kernel_writing_only_its_outputs(m
         "_swiglu_fp8_kernel": (dict(a_ptr=a, b_ptr=b, y_ptr=y, scale_ptr=scale, stats_ptr=stats, n=M * N, BLOCK=2048,
                                     **row), {"y_ptr", "stats_ptr"}),
         "_rmsnorm_fp8_kernel": (dict(x_ptr=x, w_ptr=w, y_ptr=y, rstd_ptr=rstd, scale_ptr=scale, stats_ptr=stats, M=M,
-                                     N=N, eps=1e-5, OUT_W_DTYPE=False, BLOCK=N, **row),
+                                     N=N, eps=1e-5, OUT_W_DTYPE=False, BLOCK=N, RSTD_GIVEN=False, **row),
                                 {"y_ptr", "rstd_ptr", "stats_ptr"}),
+        "_rmsnorm_fp8_kernel rstd given": (dict(x_ptr=x, w_ptr=w, y_ptr=y, rstd_ptr=rstd, scale_ptr=scale,
+                                                stats_ptr=stats, M=M, N=N, eps=1e-5, OUT_W_DTYPE=False, BLOCK=N,
+                                                RSTD_GIVEN=True, **{**row, "AMAX": False}), {"y_ptr"}),
         "_swiglu_fp8_t_kernel": (dict(a_ptr=a, b_ptr=b, **tile), {"y_ptr", "yt_ptr"}),
         "_rmsnorm_fp8_t_kernel": (dict(x_ptr=x, w_ptr=w, rstd_ptr=rstd, OUT_W_DTYPE=False, **tile),
                                   {"y_ptr", "yt_ptr"}),
     }
     assert set(cases) == set(SIGNATURES)
     for name, (kwargs, written) in cases.items():
-        kernel = getattr(p, name)
+        kernel = getattr(p, name.split()[0])
         if hasattr(wrap, "identify_accessed_tensors"):  # torch 2.13
             found = {d.name for d in wrap.identify_accessed_tensors(kernel, kwargs, {}).read_writes.writes}
         else:  # torch 2.11
@@ -364,15 +372,19 @@ for out_w in (False, True):
     ww = w if out_w else w.float()
     y1, rstd, stats = torch.empty(M, N, dtype=f8), torch.empty(M, 1), torch.zeros(2)
     p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd, scale, stats, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
-                                STORE=True, AMAX=True, BLOCK=128)
+                                STORE=True, AMAX=True, BLOCK=128, RSTD_GIVEN=False)
     rstd2, stats2 = torch.empty(M, 1), torch.zeros(2)  # the amax pass, rows strided over 4 programs
     p._rmsnorm_fp8_kernel[(4,)](x, ww, y1, rstd2, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
-                                STORE=False, AMAX=True, BLOCK=128)
+                                STORE=False, AMAX=True, BLOCK=128, RSTD_GIVEN=False)
     assert torch.equal(rstd, rstd2) and torch.equal(stats, stats2), "norm: the amax pass's rstd and amax"
     y2 = torch.empty(M, N, dtype=f8)
     p._rmsnorm_fp8_kernel[(4,)](x, ww, y2, rstd2, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
-                                STORE=True, AMAX=False, BLOCK=128)
+                                STORE=True, AMAX=False, BLOCK=128, RSTD_GIVEN=False)
     assert torch.equal(y2.view(torch.uint8), y1.view(torch.uint8)), "norm: rows strided over the grid"
+    y3, rstd3 = torch.empty(M, N, dtype=f8), rstd2.clone()  # the cast given the amax pass's rstd
+    p._rmsnorm_fp8_kernel[(3,)](x, ww, y3, rstd3, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
+                                STORE=True, AMAX=False, BLOCK=128, RSTD_GIVEN=True)
+    assert torch.equal(y3.view(torch.uint8), y1.view(torch.uint8)) and torch.equal(rstd3, rstd2), "norm: rstd given"
     ref = ww.float() * (x.float() * rstd).to(x.dtype).float()
     assert torch.allclose(stats[0], ref.abs().amax(), rtol=1e-2) and stats[1] == 0, "norm: the amax"
     y, yt = pair()

@@ -74,7 +74,7 @@ class _FP8RMSNorm(torch.autograd.Function):
             amax, rstd = torch.ops.lowbit.rmsnorm_amax(x2, weight, eps)
             scale, rep = _cast_report(amax, s)
             data = torch.ops.lowbit.rmsnorm_cast_t(x2, weight, rstd, scale, e5m2) if transpose else \
-                torch.ops.lowbit.rmsnorm_cast(x2, weight, eps, scale, e5m2)[:1]
+                torch.ops.lowbit.rmsnorm_cast(x2, weight, eps, scale, e5m2, rstd)[:1]
         ctx.codec, ctx.x_dtype = codec, x.dtype
         ctx.save_for_backward(rstd.view(*x.shape[:-1], 1), weight, *(codec.pack(x) if codec else (x,)))
         ctx.mark_non_differentiable(*data, scale, rep)

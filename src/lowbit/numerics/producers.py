@@ -12,7 +12,8 @@ pass reads them again and writes FP8: 2 + 2 (+ 2) bytes read per element and 1 w
 writes the bf16 output (2), reads it for the amax (2) and again for the cast (2 + 1 written). With a scale known
 before (delayed scaling), one pass writes FP8 and takes the amax for the next step's scale. Where a weight-gradient
 GEMM will read the output, `*_cast_t` writes it also transposed in the same pass, over 2-D tiles (as
-kernels.cast_transpose); the norm's then takes the rows' rstd from its amax pass (`rmsnorm_amax` stores it).
+kernels.cast_transpose). Under current scaling the norm's casts take the rows' rstd from its amax pass
+(`rmsnorm_amax` stores it), so what they write is what the amax measured and what the backward reads.
 The amax passes walk their blocks or rows in a grid-stride loop over a few programs per SM, each adding its share
 to the total by one atomic: with a program per block or row, the atomics on one address made the amax passes take
 1.7-3.7x the time of reading their inputs (the `1b` step's profile on an H100).
@@ -102,9 +103,9 @@ if triton is not None:
     @triton.jit
     def _rmsnorm_fp8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, scale_ptr, stats_ptr, M, N, eps, FMT_MAX: tl.constexpr,
                             OUT_W_DTYPE: tl.constexpr, STORE: tl.constexpr, AMAX: tl.constexpr,
-                            BLOCK: tl.constexpr):
-        # rows strided over the grid (_grid), each whole: rstd = 1/sqrt(mean(x²) + eps) in fp32 (stored),
-        # out = w · (x · rstd rounded to x's dtype); STORE: out written as FP8
+                            BLOCK: tl.constexpr, RSTD_GIVEN: tl.constexpr):
+        # rows strided over the grid (_grid), each whole: rstd = 1/sqrt(mean(x²) + eps) in fp32 (stored), or with
+        # RSTD_GIVEN read from rstd_ptr; out = w · (x · rstd rounded to x's dtype); STORE: out written as FP8
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
@@ -117,12 +118,15 @@ if triton is not None:
             x = xr.to(tl.float32)
             # torch: the mean as the sum times 1/N (its MeanOps), rsqrt as CUDA's rsqrtf; mul_rn / add_rn: each
             # rounded on its own, as torch does, never contracted into a fused multiply-add
-            sq = tl.sum(libdevice.mul_rn(x, x), axis=0)
-            # tl.cast, not .to: torch.compile's analysis of a triton_op may pass N and eps as Python numbers, and
-            # its launch passes a float as fp64
-            mean = libdevice.mul_rn(sq, tl.math.div_rn(1.0, tl.cast(N, tl.float32)))
-            rstd = libdevice.rsqrt(libdevice.add_rn(mean, tl.cast(eps, tl.float32)))
-            tl.store(rstd_ptr + row, rstd)
+            if RSTD_GIVEN:
+                rstd = tl.load(rstd_ptr + row)
+            else:
+                sq = tl.sum(libdevice.mul_rn(x, x), axis=0)
+                # tl.cast, not .to: torch.compile's analysis of a triton_op may pass N and eps as Python numbers,
+                # and its launch passes a float as fp64
+                mean = libdevice.mul_rn(sq, tl.math.div_rn(1.0, tl.cast(N, tl.float32)))
+                rstd = libdevice.rsqrt(libdevice.add_rn(mean, tl.cast(eps, tl.float32)))
+                tl.store(rstd_ptr + row, rstd)
             h = _norm_h(xr, rstd, w, OUT_W_DTYPE)
             if AMAX:
                 acc, nan = _amax_acc(acc, nan, h, mask)
@@ -170,8 +174,10 @@ def _grid(device: torch.device, work: int) -> int:
     return kernels.grid_stride(device, work, PROGRAMS_PER_SM)
 
 
-# the transposing casts' tile (as kernels.cast_transpose's)
-T_BLOCK_M, T_BLOCK_N, T_WARPS = 128, 128, 8
+# the transposing casts' tile: 32 x 128, 4 warps, the fastest of benchmarks/producer_launch.py's seven on an H100
+# (16384 tokens: swiglu_cast_t 218 us against 286 with kernels.cast_transpose's 128 x 128, 8 warps; the norm's 52
+# against 59)
+T_BLOCK_M, T_BLOCK_N, T_WARPS = 32, 128, 4
 
 
 def _fp8(e5m2: bool) -> torch.dtype:
@@ -265,18 +271,19 @@ def swiglu_cast_t(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
     return y, y.t().contiguous()
 
 
-def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool):
+def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool, rstd=None):
     x, w = x.contiguous(), w.contiguous()
     M, N = x.shape
     y = torch.empty((M, N), device=x.device, dtype=_fp8(e5m2)) if store else x.new_empty(0, dtype=_fp8(e5m2))
-    rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+    given = rstd is not None
+    rstd = rstd.float().contiguous().clone() if given else torch.empty((M, 1), device=x.device, dtype=torch.float32)
     stats = torch.zeros(2, device=x.device, dtype=torch.float32)
     block = triton.next_power_of_2(N)
     with torch.cuda.device(x.device):
         wrap_triton(_rmsnorm_fp8_kernel)[(_grid(x.device, M),)](
             x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, M, N, eps,
             FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=_out_w_dtype(x, w), STORE=store, AMAX=True,
-            BLOCK=block, num_warps=8 if block >= 4096 else 4)
+            BLOCK=block, RSTD_GIVEN=given, num_warps=8 if block >= 4096 else 4)
     return y, rstd, _amax_of(stats)
 
 
@@ -302,13 +309,17 @@ def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Te
 
 
 @_op("lowbit::rmsnorm_cast")
-def rmsnorm_cast(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor,
-                 e5m2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def rmsnorm_cast(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor, e5m2: bool,
+                 rstd: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(RMSNorm(x)·w of a 2-D x cast with `scale`, the fp32 rstd of each row [M, 1] (what the norm's backward
-    keeps), the amax), in one pass."""
+    keeps), the amax), in one pass. Given `rstd` (rmsnorm_amax's), the rows use it: the cast then writes what
+    the amax pass measured, bit for bit (the two kernels' sums over a row may differ in their last bit)."""
     if _on_gpu(x):
-        return _rmsnorm_launch(x, w, eps, scale, e5m2, True)
-    h, rstd = _rmsnorm_ref(x, w, eps)
+        return _rmsnorm_launch(x, w, eps, scale, e5m2, True, rstd)
+    if rstd is None:
+        h, rstd = _rmsnorm_ref(x, w, eps)
+    else:
+        h, rstd = w * (x.float() * rstd).to(x.dtype), rstd.float().clone()
     return _cast_ref(h, scale, e5m2), rstd, h.abs().amax().float()
 
 
@@ -347,9 +358,11 @@ def rmsnorm_fp8(x: torch.Tensor, w: torch.Tensor, eps: float, s: Scaling,
                 scale: torch.Tensor | None = None) -> tuple[QTensor, torch.Tensor, torch.Tensor]:
     """RMSNorm(x)·w of a 2-D x as FP8, the rstd of each row and the amax: with `scale` in one pass, else by
     current scaling (an amax pass, then the cast)."""
+    rstd = None
     if scale is None:
-        scale = _current(torch.ops.lowbit.rmsnorm_amax(x, w, eps)[0], s)
-    y, rstd, amax = torch.ops.lowbit.rmsnorm_cast(x, w, eps, scale, s.fmt == "e5m2")
+        amax, rstd = torch.ops.lowbit.rmsnorm_amax(x, w, eps)
+        scale = _current(amax, s)
+    y, rstd, amax = torch.ops.lowbit.rmsnorm_cast(x, w, eps, scale, s.fmt == "e5m2", rstd)
     return QTensor(y, scale.reciprocal(), s), rstd, amax
 
 
