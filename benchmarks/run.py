@@ -117,8 +117,12 @@ STEPS: tuple[Step, ...] = (
          ("producer_launch_{dev}.json",)),
     Step("recipes-1b", "the 1b step of fp8lm-o2, nanotron-r2 and fp4 beside fp8-tensorwise",
          ("TORCH_LOGS=recompiles " + bench(f"{S1B} --no-bf16 --torchao none --profile "
-                                           "--recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4,fp4+numerics.occ_products=fp8",
+                                           "--recipes fp8-tensorwise,fp8lm-o2,nanotron-r2,fp4",
                                            "step_1b_recipes_{dev}.json"),), ("step_1b_recipes_{dev}.json",)),
+    Step("fp4-1b", "the 1b step under fp4 with OCC's compensation products in bf16 and in FP8, beside fp8-tensorwise",
+         (bench("step --steps 10 --warmup 2 --compile-scope blocks --no-bf16 --torchao none --profile "
+                "--recipes fp8-tensorwise,fp4,fp4+numerics.occ_products=fp8", "step_1b_fp4_{dev}.json"),),
+         ("step_1b_fp4_{dev}.json",)),
     Step("graphs-1b", "fp8lm-o2 and nanotron-r2 with and without the optimizer's CUDA graphs",
          (bench(f"{S1B} --no-bf16 --torchao none --profile --recipes fp8lm-o2+optim.cuda_graphs=false,fp8lm-o2,"
                 "fp8-tensorwise,nanotron-r2+optim.cuda_graphs=false,nanotron-r2", "step_1b_cuda_graphs_{dev}.json"),),
