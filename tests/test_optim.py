@@ -706,13 +706,15 @@ def test_compiled_update_on_the_cpu_matches_the_eager_slices():
 def test_fp8_bytes_decode_on_the_cpu_as_torch_casts_them():
     """The CPU decodes FP8 states with integer ops (torch's cast there is per element): every code, NaN and the
     sign of zero included."""
-    from lowbit.optim.precision import _fp8_bits_to_float
+    from lowbit.optim.precision import _fp8_bits_to_float, _fp8_fields_to_float
 
     for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         codes = torch.arange(256, dtype=torch.uint8).view(dtype)
-        ours, ref = _fp8_bits_to_float(codes), codes.float()
-        assert torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.signbit(), ref.signbit())
-        assert torch.equal(ours[~ours.isnan()], ref[~ref.isnan()])
+        ref = codes.float()
+        for ours in (_fp8_bits_to_float(codes), _fp8_fields_to_float(codes),
+                     torch.compile(_fp8_fields_to_float, fullgraph=True)(codes)):
+            assert torch.equal(ours.isnan(), ref.isnan()) and torch.equal(ours.signbit(), ref.signbit())
+            assert torch.equal(ours[~ours.isnan()], ref[~ref.isnan()])
 
 
 def test_graph_key_refuses_tensor_subclasses():

@@ -41,7 +41,10 @@ def resolve_device(name: str) -> torch.device:
 def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+    # the vector ISA torch dispatches to: CPU timings of the same code differ by several times between AVX2 and
+    # AVX-512 hosts (inductor's FP8 conversions, for one)
+    isa = torch.backends.cpu.get_cpu_capability()
+    return f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {isa})"
 
 
 def torchao_module():
