@@ -147,13 +147,12 @@ def test_fp8_products_are_the_dense_products_through_fp8_operands():
     from lowbit.numerics.gemm import scaled_matmul
     from lowbit.numerics.qtensor import quantize
     from lowbit.numerics.scaling import Scaling
+    from lowbit.train.plan import load_config, resolve_recipe
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(256, 128, generator=g) / torch.rand(256, 128, generator=g).clamp(min=0.05)  # heavy tails
     w = torch.randn(64, 128, generator=g) * 0.05
     up = torch.randn(256, 64, generator=g)
-    from lowbit.train.plan import load_config, resolve_recipe
-
     got = resolve_recipe(load_config(None, ["--recipe", "fp4", "--numerics.occ_products", "fp8"])).linear.occ
     assert got.products == "fp8" and resolve_recipe(load_config(None, ["--recipe", "fp4"])).linear.occ.products == \
         "dense"

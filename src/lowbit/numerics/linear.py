@@ -139,11 +139,11 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             else:
                 qw = weight.quantized() if hasattr(weight, "quantized") else quantize(weight, r.weight, scale=scale_w)
             y = scaled_matmul(qx, qw, out_dtype, fast_accum=r.fast_accum_fprop)
-            if occ_idx is not None and r.occ.products == "dense":  # OCC compensation, ΔY·Wᵀ in out_dtype
-                delta = (x.reshape(x2.shape).float() - x2.float()).to(out_dtype)
-                y = (y.float() + (delta @ weight.to(out_dtype).t()).float()).to(out_dtype)
-            elif occ_idx is not None and r.occ.products == "fp8":  # ΔY·Wᵀ as an FP8 GEMM
-                y = (y.float() + occ_fp8_mm(x.reshape(x2.shape).float() - x2.float(), weight)).to(out_dtype)
+            if occ_idx is not None and r.occ.products != "sparse":  # OCC compensation ΔY·Wᵀ, ΔY dense
+                delta = x.reshape(x2.shape).float() - x2.float()
+                comp = occ_fp8_mm(delta, weight) if r.occ.products == "fp8" else \
+                    (delta.to(out_dtype) @ weight.to(out_dtype).t()).float()  # in out_dtype
+                y = (y.float() + comp).to(out_dtype)
             elif occ_idx is not None:  # sparse, in fp32
                 y = (y.float() + occ_mm(occ_idx, occ_val, weight.float(), x2.shape[0])).to(out_dtype)
         if telemetry_layer is not None:
@@ -204,12 +204,10 @@ class _LowPrecisionMatmul(torch.autograd.Function):
             if r.dge is not None:  # DGE: dL/dW = dL/dWq · f'(W scaled onto the grid)
                 scaled = weight.float() / expand_groups(w_scale_inv.float(), r.weight, weight.shape)
                 dw = (dw.float() * dge_factor(scaled, r.dge)).to(dw.dtype)
-            if occ_idx is not None and r.occ.products == "dense":  # the compensation's dW, dyᵀ·ΔY (no DGE)
+            if occ_idx is not None and r.occ.products != "sparse":  # the compensation's dW, dyᵀ·ΔY (no DGE)
                 delta = occ_dense(occ_idx, occ_val, (dy2.shape[0], weight.shape[1]), dy2.dtype)
-                dw = dw + (dy2.t() @ delta).to(dw.dtype)
-            elif occ_idx is not None and r.occ.products == "fp8":  # dyᵀ·ΔY as an FP8 GEMM (dy in E5M2)
-                delta = occ_dense(occ_idx, occ_val, (dy2.shape[0], weight.shape[1]), dy2.dtype)
-                dw = dw + occ_fp8_mm(dy2.t(), delta.t(), "e5m2").to(dw.dtype)
+                comp = occ_fp8_mm(dy2.t(), delta.t(), "e5m2") if r.occ.products == "fp8" else dy2.t() @ delta
+                dw = dw + comp.to(dw.dtype)  # fp8: dy in E5M2
             elif occ_idx is not None:
                 dw = dw + occ_wgrad(occ_idx, occ_val, dy2, weight.shape[1]).t().to(dw.dtype)
         seen = torch.cat([reports, report(amax if g.granularity == "tensor" else None, bad)[None]]) \

@@ -201,7 +201,8 @@ def run_cast_transpose(a, device: torch.device, report: Report) -> None:
             row.update(error_row(e))
         report.row(t, row)
     default = (kernels.CT_BLOCK_M, kernels.CT_BLOCK_N, kernels.CT_WARPS)
-    for tile in ([(32, 128, 4), (64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4)] if kernels.usable(inputs[0]) else []):
+    tiles = [(32, 128, 4), (64, 64, 4), (128, 64, 4), (64, 128, 4), (128, 128, 4)]
+    for tile in (tiles if kernels.usable(inputs[0]) else []):
         kernels.CT_BLOCK_M, kernels.CT_BLOCK_N, kernels.CT_WARPS = tile  # other launch settings of the one pass
         row = {"variant": "lowbit cast_transpose, tile {} x {}, {} warps".format(*tile)}
         try:
