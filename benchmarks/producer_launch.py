@@ -97,7 +97,9 @@ TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 4), 
 
 def tile_rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
     """The transposing casts alone (swiglu_cast_t, rmsnorm_cast_t: FP8 row-major and transposed in one pass) per
-    tile shape, GPU time and the bandwidth of the bytes they must move (bf16 inputs read, two FP8 copies written)."""
+    tile shape, GPU time and the bandwidth of the bytes they must move (bf16 inputs read, two FP8 copies written);
+    beside them delayed scaling's one-pass casts, which also measure the amax (swiglu_cast_t with_amax,
+    rmsnorm_cast_t_amax: whole rows, rstd computed), and once the amax passes that current scaling runs first."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.ones(dim, device="cuda", dtype=torch.float32)
@@ -106,17 +108,26 @@ def tile_rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
     rstd = torch.ones(tokens, 1, device="cuda")
     kept = producers.T_BLOCK_M, producers.T_BLOCK_N, producers.T_WARPS
     out = []
+
+    def row(variant, fn, moved):
+        us = timed(fn, calls)["gpu_us"]
+        out.append(dict(variant=variant, gpu_us=us, gb_per_s=round(moved / us / 1e3, 1)))
+        print(json.dumps(out[-1]), flush=True)
+
+    ops = torch.ops.lowbit
+    row("swiglu_amax (current scaling's first pass)", lambda: ops.swiglu_amax(a, b), 4 * a.numel())
+    row("rmsnorm_amax (current scaling's first pass)", lambda: ops.rmsnorm_amax(x, w, 1e-5), 2 * x.numel())
     try:
         for bm, bn, warps in TILES:
             producers.T_BLOCK_M, producers.T_BLOCK_N, producers.T_WARPS = bm, bn, warps
             for name, fn, moved in (
-                    ("swiglu_cast_t", lambda: torch.ops.lowbit.swiglu_cast_t(a, b, scale, False), 6 * a.numel()),
-                    ("rmsnorm_cast_t", lambda: torch.ops.lowbit.rmsnorm_cast_t(x, w, rstd, scale, False),
-                     4 * x.numel())):
-                us = timed(fn, calls)["gpu_us"]
-                out.append(dict(variant=f"{name}, {bm} x {bn} tile, {warps} warps", gpu_us=us,
-                                gb_per_s=round(moved / us / 1e3, 1)))
-                print(json.dumps(out[-1]), flush=True)
+                    ("swiglu_cast_t", lambda: ops.swiglu_cast_t(a, b, scale, False), 6 * a.numel()),
+                    ("swiglu_cast_t with its amax (delayed)", lambda: ops.swiglu_cast_t(a, b, scale, False, True),
+                     6 * a.numel()),
+                    ("rmsnorm_cast_t", lambda: ops.rmsnorm_cast_t(x, w, rstd, scale, False), 4 * x.numel()),
+                    ("rmsnorm_cast_t_amax (delayed, rows whole)",
+                     lambda: ops.rmsnorm_cast_t_amax(x, w, 1e-5, scale, False), 4 * x.numel())):
+                row(f"{name}, {bm} x {bn} tile, {warps} warps", fn, moved)
     finally:
         producers.T_BLOCK_M, producers.T_BLOCK_N, producers.T_WARPS = kept
     return out

@@ -112,9 +112,10 @@ STEPS: tuple[Step, ...] = (
          (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,fp8-delayed "
                 "--torchao tensorwise --profile",
                 "step_1b_profile_{dev}.json"),), ("step_1b_profile_{dev}.json",)),
-    Step("fused-1b", "the 1b step with and without the fused FP8 producers, beside bf16",
+    Step("fused-1b", "the 1b step with and without the fused FP8 producers, current and delayed, beside bf16",
          (bench("step --steps 10 --warmup 2 --compile-scope blocks --torchao none --profile "
-                "--recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true",
+                "--recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fused_producers=true,fp8-delayed,"
+                "fp8-delayed+numerics.fused_producers=true",
                 "step_1b_fused_{dev}.json"),),
          ("step_1b_fused_{dev}.json",)),
     Step("producers-1b", "the fused FP8 producers' host and GPU time per call at the 1b shapes",

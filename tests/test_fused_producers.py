@@ -13,6 +13,7 @@ from lowbit.models.llama import Llama, ModelArgs, RMSNorm, SwiGLU
 from lowbit.numerics import kernels
 from lowbit.numerics.fused_producers import FP8RMSNorm, FP8SwiGLU
 from lowbit.numerics.recipes import convert, get_recipe
+from lowbit.numerics.scaling import scale_from_amax
 
 ARGS = ModelArgs(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128, vocab_size=96, max_seq_len=16)
 
@@ -52,6 +53,46 @@ def test_install_replaces_the_producers_that_feed_fp8_linears():
     report = convert(_plain(), dataclasses.replace(get_recipe("fp8-tensorwise"), fused_producers=True, keep=("w2",)))
     assert "layers.0.feed_forward.act (a linear it feeds stays high precision)" in report["unfused"]
     assert "layers.0.ffn_norm" in report["fused"]
+
+
+def steps(model, n: int):
+    """n forwards and backwards, each on its own tokens (amaxes change, so a delayed scale differs from the
+    current one): every step's (loss, {name: grad}, state_dict)."""
+    out = []
+    for i in range(n):
+        x = torch.randint(0, ARGS.vocab_size, (2, 17), generator=torch.Generator().manual_seed(i))
+        loss = model(x[:, :-1], x[:, 1:]) * (1 + i)
+        loss.backward()
+        out.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()},
+                    {k: v.clone() for k, v in model.state_dict().items()}))
+        model.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("recipe", ["fp8-delayed", "fp8lm"])
+def test_delayed_fused_steps_are_the_unfused_steps_bit_for_bit(recipe):
+    """Delayed scaling: the producers cast with the fed linears' delayed scale in one pass and report the amax
+    they measured; in warm-up (fp8-delayed: the first step; fp8lm: 16 steps) with their gated amax pass's current
+    scale. Over 20 steps on changing tokens (past fp8lm's warm-up), loss, gradients and every scaling state are
+    the unfused path's bit for bit."""
+    unfused, fused = build(False, recipe)[0], build(True, recipe)[0]
+    assert "tensor/delayed" in repr(fused.layers[0].attention_norm)
+    for i, (a, b) in enumerate(zip(steps(unfused, 20), steps(fused, 20))):
+        assert_same(a, b)
+    state = fused.layers[0].feed_forward.w2.scaling["input"]
+    assert int(state.updates) == 20 and int((state.amax_history > 0).sum()) == min(20, state.spec.history)
+    # the delayed scale was used: the last step's scale is the window's (max over 20 amaxes), not its own amax's
+    assert not torch.equal(state.scale, scale_from_amax(state.amax_history[:1], state.spec)[0][0])
+
+
+def test_gated_amax_passes_are_zero_where_the_gate_is_off():
+    a, b, x = (torch.randn(8, 16) for _ in range(3))
+    w = torch.rand(16)
+    for gate, want in ((True, 1), (False, 0)):
+        g = torch.tensor(gate)
+        assert (torch.ops.lowbit.swiglu_amax(a, b, g) > 0) == bool(want)
+        assert (torch.ops.lowbit.rmsnorm_amax(x, w, 1e-5, g)[0] > 0) == bool(want)
+    assert torch.equal(torch.ops.lowbit.swiglu_amax(a, b, torch.tensor(True)), torch.ops.lowbit.swiglu_amax(a, b))
 
 
 def _plain() -> Llama:
@@ -143,7 +184,8 @@ def rel_diffs(a, b) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_fused_step_compiled():
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
+def test_fused_step_compiled(recipe):
     """Compiled, the producers are opaque calls of the CPU formulas (eager torch), while inductor compiles the
     unfused norm's forward and both backwards with its own reduction orders: an rstd, and so an amax and a scale,
     may differ in the last bit, and a norm weight's gradient (a sum over tokens) in the last bits. Bounded: the
@@ -152,10 +194,10 @@ def test_fused_step_compiled():
     equal, the norm weights' and the embedding's within 1e-7)."""
     runs = {}
     for fused in (False, True):
-        model, _ = build(fused, n_layers=1)
+        model, _ = build(fused, recipe, n_layers=1)
         runs[fused] = step(model, torch.compile(model))
         torch._dynamo.reset()
-    eager_model, _ = build(True, n_layers=1)
+    eager_model, _ = build(True, recipe, n_layers=1)
     eager = step(eager_model)
     for other in (runs[False], eager):
         diffs = rel_diffs(runs[True], other)
@@ -164,7 +206,7 @@ def test_fused_step_compiled():
 
 
 @pytest.mark.parametrize("recipe, needle", [
-    ("fp8-delayed", "delayed scaling"), ("fp8-rowwise", "per row"), ("fp8-blockwise", "per block"),
+    ("fp8-rowwise", "per row"), ("fp8-blockwise", "per block"),
     ("mxfp8", "per mx"), ("fp4", "per row"), ("bf16", "no low-precision linears"),
 ])
 def test_config_refuses_where_it_does_not_apply(capsys, recipe, needle):
@@ -172,11 +214,14 @@ def test_config_refuses_where_it_does_not_apply(capsys, recipe, needle):
                       "numerics.fused_producers", needle)
 
 
-def test_config_refuses_delayed_override_and_tensor_parallelism(capsys):
-    assert_user_error(capsys, ["train", "--recipe", "fp8-tensorwise", "--numerics.scaling", "delayed",
-                               "--numerics.fused_producers", "true"], "numerics.fused_producers", "delayed")
+def test_config_refuses_tensor_parallelism_and_takes_delayed_scaling(capsys):
     assert_user_error(capsys, ["train", "--recipe", "fp8-tensorwise", "--numerics.fused_producers", "true",
                                "--parallel.tp", "2"], "numerics.fused_producers", "parallel.tp")
+    from lowbit.numerics.fused_producers import unsupported
+    from lowbit.numerics.recipes import with_scaling
+    for recipe in (get_recipe("fp8-delayed"), get_recipe("fp8lm-o2"),
+                   with_scaling(get_recipe("fp8-tensorwise"), "delayed", 16, 1, 0)):
+        assert unsupported(recipe.linear) is None, recipe.name
 
 
 @pytest.mark.slow
@@ -213,17 +258,20 @@ def test_bench_step_variant_fuses_the_producers(tmp_path, capsys, monkeypatch):
     assert all("error" not in r for r in rows), rows
 
 
+_NORM = ["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*fp32", "i32", "i32", "fp64"]
+_NORM_SCALARS = {"M": 16384, "N": 2048, "eps": 1e-5}
 SIGNATURES = {  # the producers' kernels: (pointer and scalar types, scalars to hand over as constants, constexprs)
-    "_rmsnorm_fp8_kernel": (["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32", "i32", "fp64"],
-                            {"M": 16384, "N": 2048, "eps": 1e-5},
-                            dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=True, BLOCK=2048,
-                                 RSTD_GIVEN=False)),
-    "_rmsnorm_fp8_kernel rstd given": (["*bf16", "*fp32", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32", "i32",
-                                        "fp64"], {"M": 16384, "N": 2048, "eps": 1e-5},
-                                       dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=False, BLOCK=2048,
-                                            RSTD_GIVEN=True)),
-    "_swiglu_fp8_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp32", "*fp32", "i32"], {"n": 1 << 20},
-                           dict(FMT_MAX=448.0, STORE=True, AMAX=True, BLOCK=2048)),
+    "_rmsnorm_fp8_kernel": (_NORM, _NORM_SCALARS, dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True, AMAX=True,
+                                                       BLOCK=2048, RSTD_GIVEN=False, GATED=False)),
+    "_rmsnorm_fp8_kernel rstd given": (_NORM, _NORM_SCALARS, dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=True,
+                                                                  AMAX=False, BLOCK=2048, RSTD_GIVEN=True,
+                                                                  GATED=False)),
+    "_rmsnorm_fp8_kernel gated": (_NORM, _NORM_SCALARS, dict(FMT_MAX=448.0, OUT_W_DTYPE=False, STORE=False,
+                                                             AMAX=True, BLOCK=2048, RSTD_GIVEN=False, GATED=True)),
+    "_swiglu_fp8_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32"], {"n": 1 << 20},
+                           dict(FMT_MAX=448.0, STORE=True, AMAX=True, BLOCK=2048, GATED=False)),
+    "_swiglu_fp8_kernel gated": (["*bf16", "*bf16", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "i32"], {"n": 1 << 20},
+                                 dict(FMT_MAX=448.0, STORE=False, AMAX=True, BLOCK=2048, GATED=True)),
 }
 
 
@@ -256,10 +304,14 @@ def test_producer_kernels_build_for_hopper_with_scalars_handed_either_way(kernel
 
 
 SIGNATURES.update({
-    "_rmsnorm_fp8_t_kernel": (["*bf16", "*fp32", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp32", "i32", "i32"],
-                              {"M": 16384, "N": 2048}, dict(FMT_MAX=448.0, OUT_W_DTYPE=False, BM=128, BN=128)),
-    "_swiglu_fp8_t_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp8e4nv", "*fp32", "i32", "i32"],
-                             {"M": 16384, "N": 5632}, dict(FMT_MAX=448.0, BM=128, BN=128)),
+    "_rmsnorm_fp8_t_kernel": (["*bf16", "*fp32", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "i32", "i32"],
+                              {"M": 16384, "N": 2048}, dict(FMT_MAX=448.0, OUT_W_DTYPE=False, AMAX=False, BM=32,
+                                                            BN=128)),
+    "_swiglu_fp8_t_kernel": (["*bf16", "*bf16", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "i32", "i32"],
+                             {"M": 16384, "N": 5632}, dict(FMT_MAX=448.0, AMAX=True, BM=32, BN=128)),
+    "_rmsnorm_fp8_rows_t_kernel": (["*bf16", "*fp32", "*fp32", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "i32",
+                                    "i32", "fp64"], _NORM_SCALARS, dict(FMT_MAX=448.0, OUT_W_DTYPE=False, BM=32,
+                                                                        BN=128)),
 })
 
 @pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
@@ -278,22 +330,27 @@ def test_compiles_analysis_finds_each_producer_kernel_writing_only_its_outputs(m
                         type("Hopper", (), {"get_current_target": lambda self: GPUTarget("cuda", 90, 32)})())
     M, N = 256, 512
     a, b, x = (torch.empty(M, N, dtype=torch.bfloat16) for _ in range(3))
-    w, scale, stats, rstd = torch.ones(N), torch.ones(1), torch.zeros(2), torch.empty(M, 1)
+    w, scale, stats, rstd, gate = torch.ones(N), torch.ones(1), torch.zeros(2), torch.empty(M, 1), torch.ones(1)
     y, yt = torch.empty(M, N, dtype=torch.float8_e4m3fn), torch.empty(N, M, dtype=torch.float8_e4m3fn)
-    row = dict(FMT_MAX=448.0, STORE=True, AMAX=True)
-    tile = dict(y_ptr=y, yt_ptr=yt, scale_ptr=scale, M=M, N=N, FMT_MAX=448.0, BM=128, BN=128)
+    part = torch.empty(64, 2)
+    row = dict(FMT_MAX=448.0, STORE=True, AMAX=True, GATED=False, stats_ptr=stats, gate_ptr=gate)
+    norm = dict(x_ptr=x, w_ptr=w, y_ptr=y, rstd_ptr=rstd, scale_ptr=scale, M=M, N=N, eps=1e-5, OUT_W_DTYPE=False,
+                BLOCK=N)
+    tile = dict(y_ptr=y, yt_ptr=yt, scale_ptr=scale, part_ptr=part, M=M, N=N, FMT_MAX=448.0, BM=32, BN=128)
     cases = {
-        "_swiglu_fp8_kernel": (dict(a_ptr=a, b_ptr=b, y_ptr=y, scale_ptr=scale, stats_ptr=stats, n=M * N, BLOCK=2048,
-                                    **row), {"y_ptr", "stats_ptr"}),
-        "_rmsnorm_fp8_kernel": (dict(x_ptr=x, w_ptr=w, y_ptr=y, rstd_ptr=rstd, scale_ptr=scale, stats_ptr=stats, M=M,
-                                     N=N, eps=1e-5, OUT_W_DTYPE=False, BLOCK=N, RSTD_GIVEN=False, **row),
-                                {"y_ptr", "rstd_ptr", "stats_ptr"}),
-        "_rmsnorm_fp8_kernel rstd given": (dict(x_ptr=x, w_ptr=w, y_ptr=y, rstd_ptr=rstd, scale_ptr=scale,
-                                                stats_ptr=stats, M=M, N=N, eps=1e-5, OUT_W_DTYPE=False, BLOCK=N,
-                                                RSTD_GIVEN=True, **{**row, "AMAX": False}), {"y_ptr"}),
-        "_swiglu_fp8_t_kernel": (dict(a_ptr=a, b_ptr=b, **tile), {"y_ptr", "yt_ptr"}),
-        "_rmsnorm_fp8_t_kernel": (dict(x_ptr=x, w_ptr=w, rstd_ptr=rstd, OUT_W_DTYPE=False, **tile),
+        "_swiglu_fp8_kernel": (dict(a_ptr=a, b_ptr=b, y_ptr=y, scale_ptr=scale, n=M * N, BLOCK=2048, **row),
+                               {"y_ptr", "stats_ptr"}),
+        "_swiglu_fp8_kernel gated": (dict(a_ptr=a, b_ptr=b, y_ptr=y, scale_ptr=scale, n=M * N, BLOCK=2048,
+                                          **{**row, "STORE": False, "GATED": True}), {"stats_ptr"}),
+        "_rmsnorm_fp8_kernel": (dict(RSTD_GIVEN=False, **norm, **row), {"y_ptr", "rstd_ptr", "stats_ptr"}),
+        "_rmsnorm_fp8_kernel rstd given": (dict(RSTD_GIVEN=True, **norm, **{**row, "AMAX": False}), {"y_ptr"}),
+        "_rmsnorm_fp8_kernel gated": (dict(RSTD_GIVEN=False, **norm, **{**row, "STORE": False, "GATED": True}),
+                                      {"rstd_ptr", "stats_ptr"}),
+        "_swiglu_fp8_t_kernel": (dict(a_ptr=a, b_ptr=b, AMAX=True, **tile), {"y_ptr", "yt_ptr", "part_ptr"}),
+        "_rmsnorm_fp8_t_kernel": (dict(x_ptr=x, w_ptr=w, rstd_ptr=rstd, OUT_W_DTYPE=False, AMAX=False, **tile),
                                   {"y_ptr", "yt_ptr"}),
+        "_rmsnorm_fp8_rows_t_kernel": (dict(x_ptr=x, w_ptr=w, rstd_ptr=rstd, eps=1e-5, OUT_W_DTYPE=False, **tile),
+                                       {"y_ptr", "yt_ptr", "rstd_ptr", "part_ptr"}),
     }
     assert set(cases) == set(SIGNATURES)
     for name, (kwargs, written) in cases.items():
@@ -348,50 +405,84 @@ def pair():
     return torch.empty(M, N, dtype=f8), torch.empty(N, M, dtype=f8)
 
 y1, stats = torch.empty(M, N, dtype=f8), torch.zeros(2)
-p._swiglu_fp8_kernel[((M * N + 255) // 256,)](a, b, y1, scale, stats, M * N, FMT_MAX=fmax, STORE=True, AMAX=True,
-                                              BLOCK=256)
+on, off = torch.ones(1), torch.zeros(1)
+TILES = ((M + B - 1) // B, (N + B - 1) // B)
+
+
+def part():
+    return torch.full((TILES[0] * TILES[1], 2), -1.0)
+
+
+p._swiglu_fp8_kernel[((M * N + 255) // 256,)](a, b, y1, scale, stats, on, M * N, FMT_MAX=fmax, STORE=True,
+                                              AMAX=True, BLOCK=256, GATED=False)
 for grid in (1, 3):  # blocks strided over fewer programs than blocks: the same bytes and amax
     y2, stats2 = torch.empty(M, N, dtype=f8), torch.zeros(2)
-    p._swiglu_fp8_kernel[(grid,)](a, b, y2, scale, stats2, M * N, FMT_MAX=fmax, STORE=True, AMAX=True, BLOCK=256)
+    p._swiglu_fp8_kernel[(grid,)](a, b, y2, scale, stats2, on, M * N, FMT_MAX=fmax, STORE=True, AMAX=True,
+                                  BLOCK=256, GATED=grid == 3)
     assert torch.equal(y2.view(torch.uint8), y1.view(torch.uint8)) and torch.equal(stats2, stats), "swiglu: grid"
 h = torch.nn.functional.silu(a) * b
 assert stats[1] == 0 and torch.allclose(stats[0], h.abs().amax().float(), rtol=1e-2), "swiglu: the amax"
+stats2 = torch.zeros(2)
+p._swiglu_fp8_kernel[(3,)](a, b, y1, scale, stats2, off, M * N, FMT_MAX=fmax, STORE=False, AMAX=True, BLOCK=256,
+                           GATED=True)
+assert torch.equal(stats2, torch.zeros(2)), "swiglu: gated off, nothing measured"
 an = a.clone()
 an[3, 5] = float("nan")
-stats2 = torch.zeros(2)
-p._swiglu_fp8_kernel[(3,)](an, b, y1, scale, stats2, M * N, FMT_MAX=fmax, STORE=False, AMAX=True, BLOCK=256)
+p._swiglu_fp8_kernel[(3,)](an, b, y1, scale, stats2, on, M * N, FMT_MAX=fmax, STORE=False, AMAX=True, BLOCK=256,
+                           GATED=False)
 assert stats2[1] == 1 and stats2[0] == stats[0], "swiglu: a NaN is flagged, not taken for the amax"
 y1 = torch.empty(M, N, dtype=f8)
-p._swiglu_fp8_kernel[(3,)](a, b, y1, scale, stats2, M * N, FMT_MAX=fmax, STORE=True, AMAX=False, BLOCK=256)
-y, yt = pair()
-p._swiglu_fp8_t_kernel[((M + B - 1) // B, (N + B - 1) // B)](a, b, y, yt, scale, M, N, FMT_MAX=fmax, BM=B, BN=B)
-assert torch.equal(y.view(torch.uint8), y1.view(torch.uint8)), "swiglu: the tiles' bytes"
-assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), "swiglu: the transpose"
+p._swiglu_fp8_kernel[(3,)](a, b, y1, scale, stats2, on, M * N, FMT_MAX=fmax, STORE=True, AMAX=False, BLOCK=256,
+                           GATED=False)
+for amax in (False, True):
+    y, yt = pair()
+    parts = part()
+    p._swiglu_fp8_t_kernel[TILES](a, b, y, yt, scale, parts, M, N, FMT_MAX=fmax, AMAX=amax, BM=B, BN=B)
+    assert torch.equal(y.view(torch.uint8), y1.view(torch.uint8)), "swiglu: the tiles' bytes"
+    assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), "swiglu: the transpose"
+    assert torch.equal(parts.amax(0), stats) if amax else (parts == -1).all(), "swiglu: the tiles' amax"
 
 for out_w in (False, True):
     ww = w if out_w else w.float()
+    norm = dict(FMT_MAX=fmax, OUT_W_DTYPE=out_w, BLOCK=128)
     y1, rstd, stats = torch.empty(M, N, dtype=f8), torch.empty(M, 1), torch.zeros(2)
-    p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd, scale, stats, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
-                                STORE=True, AMAX=True, BLOCK=128, RSTD_GIVEN=False)
+    p._rmsnorm_fp8_kernel[(M,)](x, ww, y1, rstd, scale, stats, on, M, N, 1e-5, STORE=True, AMAX=True,
+                                RSTD_GIVEN=False, GATED=False, **norm)
     rstd2, stats2 = torch.empty(M, 1), torch.zeros(2)  # the amax pass, rows strided over 4 programs
-    p._rmsnorm_fp8_kernel[(4,)](x, ww, y1, rstd2, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
-                                STORE=False, AMAX=True, BLOCK=128, RSTD_GIVEN=False)
+    p._rmsnorm_fp8_kernel[(4,)](x, ww, y1, rstd2, scale, stats2, on, M, N, 1e-5, STORE=False, AMAX=True,
+                                RSTD_GIVEN=False, GATED=True, **norm)
     assert torch.equal(rstd, rstd2) and torch.equal(stats, stats2), "norm: the amax pass's rstd and amax"
+    stats3 = torch.zeros(2)
+    p._rmsnorm_fp8_kernel[(4,)](x, ww, y1, rstd2.clone(), scale, stats3, off, M, N, 1e-5, STORE=False, AMAX=True,
+                                RSTD_GIVEN=False, GATED=True, **norm)
+    assert torch.equal(stats3, torch.zeros(2)), "norm: gated off, nothing measured"
     y2 = torch.empty(M, N, dtype=f8)
-    p._rmsnorm_fp8_kernel[(4,)](x, ww, y2, rstd2, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
-                                STORE=True, AMAX=False, BLOCK=128, RSTD_GIVEN=False)
+    p._rmsnorm_fp8_kernel[(4,)](x, ww, y2, rstd2, scale, stats2, on, M, N, 1e-5, STORE=True, AMAX=False,
+                                RSTD_GIVEN=False, GATED=False, **norm)
     assert torch.equal(y2.view(torch.uint8), y1.view(torch.uint8)), "norm: rows strided over the grid"
     y3, rstd3 = torch.empty(M, N, dtype=f8), rstd2.clone()  # the cast given the amax pass's rstd
-    p._rmsnorm_fp8_kernel[(3,)](x, ww, y3, rstd3, scale, stats2, M, N, 1e-5, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
-                                STORE=True, AMAX=False, BLOCK=128, RSTD_GIVEN=True)
+    p._rmsnorm_fp8_kernel[(3,)](x, ww, y3, rstd3, scale, stats2, on, M, N, 1e-5, STORE=True, AMAX=False,
+                                RSTD_GIVEN=True, GATED=False, **norm)
     assert torch.equal(y3.view(torch.uint8), y1.view(torch.uint8)) and torch.equal(rstd3, rstd2), "norm: rstd given"
     ref = ww.float() * (x.float() * rstd).to(x.dtype).float()
     assert torch.allclose(stats[0], ref.abs().amax(), rtol=1e-2) and stats[1] == 0, "norm: the amax"
     y, yt = pair()
-    p._rmsnorm_fp8_t_kernel[((M + B - 1) // B, (N + B - 1) // B)](x, ww, rstd, y, yt, scale, M, N, FMT_MAX=fmax,
-                                                                  OUT_W_DTYPE=out_w, BM=B, BN=B)
+    p._rmsnorm_fp8_t_kernel[TILES](x, ww, rstd, y, yt, scale, part(), M, N, FMT_MAX=fmax, OUT_W_DTYPE=out_w,
+                                   AMAX=False, BM=B, BN=B)
     assert torch.equal(y.view(torch.uint8), y1.view(torch.uint8)), "norm: the tiles' bytes"
     assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), "norm: the transpose"
+    # one pass (delayed scaling): whole rows in tiles, rstd summed tile by tile; the row kernel given that rstd
+    # writes the same bytes and measures the same amax
+    (y, yt), rstd4, parts = pair(), torch.empty(M, 1), torch.full(((M + B - 1) // B, 2), -1.0)
+    p._rmsnorm_fp8_rows_t_kernel[(parts.shape[0],)](x, ww, rstd4, y, yt, scale, parts, M, N, 1e-5, FMT_MAX=fmax,
+                                                    OUT_W_DTYPE=out_w, BM=B, BN=B)
+    assert torch.allclose(rstd4, rstd, rtol=1e-6, atol=0), "norm, one pass: rstd"
+    y5, stats5 = torch.empty(M, N, dtype=f8), torch.zeros(2)
+    p._rmsnorm_fp8_kernel[(3,)](x, ww, y5, rstd4.clone(), scale, stats5, on, M, N, 1e-5, STORE=True, AMAX=True,
+                                RSTD_GIVEN=True, GATED=False, **norm)
+    assert torch.equal(y.view(torch.uint8), y5.view(torch.uint8)), "norm, one pass: the bytes"
+    assert torch.equal(yt.view(torch.uint8), y.t().contiguous().view(torch.uint8)), "norm, one pass: the transpose"
+    assert torch.equal(parts.amax(0), stats5), "norm, one pass: the amax"
 
 xs = torch.randn(10_000).mul(7).to(torch.bfloat16)  # kernels.amax's pass: 40 blocks, the last one partial
 for grid in (1, 3, 40):
@@ -409,7 +500,9 @@ print("ok")
 @pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
 def test_transposing_producer_kernels_write_the_row_kernels_bytes_under_the_interpreter(tmp_path):
     """The transposing casts (tiles, partial at the edges) write the bytes of the producers' one-pass kernels and
-    their exact transpose; the norm's amax pass stores the rstd its cast pass uses; the row kernels' grid-stride
+    their exact transpose, and with AMAX their tiles' amaxes, whose max is the row kernels'; the norm's amax pass
+    stores the rstd its cast pass uses; the norm's one-pass transposing cast (whole rows) writes the row kernel's
+    bytes given its rstd; gated off, the amax passes measure nothing; the row kernels' grid-stride
     loops (fewer programs than blocks or rows) give the same bytes, rstd and amax, a NaN flagged apart, and so does
     kernels.amax's pass. Under
     Triton's CPU interpreter (E5M2: its E4M3 rounding is unfaithful, the same in both kernels); a GPU test compares

@@ -685,8 +685,15 @@ def test_triton_swiglu_fp8_is_the_unfused_path_bit_for_bit(case, fmt):
     q, amax = swiglu_fp8(a, b, s, scale)
     assert _same_bytes(q.data, cast(h, scale, s))
     torch.testing.assert_close(amax, h.abs().amax().float(), rtol=0, atol=0, equal_nan=True)
-    y, yt = torch.ops.lowbit.swiglu_cast_t(a, b, scale, fmt == "e5m2")  # the transposing cast's tiles
-    assert _same_bytes(y, cast(h, scale, s)) and _same_bytes(yt, cast(h, scale, s).t().contiguous())
+    for with_amax in (False, True):  # the transposing cast's tiles, and their amax (delayed scaling's one pass)
+        y, yt, amax = torch.ops.lowbit.swiglu_cast_t(a, b, scale, fmt == "e5m2", with_amax)
+        assert _same_bytes(y, cast(h, scale, s)) and _same_bytes(yt, cast(h, scale, s).t().contiguous())
+        want = h.abs().amax().float() if with_amax else torch.zeros((), device="cuda")
+        torch.testing.assert_close(amax, want, rtol=0, atol=0, equal_nan=True)
+    for gate in (True, False):  # the gated amax pass: measured where on, 0 (nothing read) where off
+        got = torch.ops.lowbit.swiglu_amax(a, b, torch.tensor(gate, device="cuda"))
+        want = h.abs().amax().float() if gate else torch.zeros((), device="cuda")
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.parametrize("wdtype", [torch.float32, torch.bfloat16])
@@ -724,6 +731,16 @@ def test_triton_rmsnorm_fp8_is_the_unfused_path_bit_for_bit_given_its_rstd(fmt, 
     y, yt = torch.ops.lowbit.rmsnorm_cast_t(xo, wo, ro, scale, fmt == "e5m2")
     want = cast(wo * (xo.float() * ro).to(x.dtype), scale, s)
     assert _same_bytes(y, want) and _same_bytes(yt, want.t().contiguous())
+    # one pass (delayed scaling): whole rows, its own rstd (summed tile by tile) and the amax of what it wrote
+    y, yt, r1, amax1 = torch.ops.lowbit.rmsnorm_cast_t_amax(xo, wo, 1e-5, scale, fmt == "e5m2")
+    torch.testing.assert_close(r1, ro, rtol=1e-6, atol=0)
+    h1 = wo * (xo.float() * r1).to(x.dtype)
+    want = cast(h1, scale, s)
+    assert _same_bytes(y, want) and _same_bytes(yt, want.t().contiguous())
+    assert torch.equal(amax1, h1.abs().amax().float())
+    off = torch.ops.lowbit.rmsnorm_amax(x, w, 1e-5, torch.tensor(False, device="cuda"))[0]
+    on = torch.ops.lowbit.rmsnorm_amax(x, w, 1e-5, torch.tensor(True, device="cuda"))[0]
+    assert off == 0 and torch.equal(on, amax)
 
 
 def test_fused_swiglu_linear_is_the_unfused_mlp_tail_bit_for_bit_on_gpu():
@@ -789,10 +806,12 @@ def test_dropout_stream_on_gpu_is_per_replica_and_leaves_the_run_stream_alone():
     assert first == again and first != other, (first, again, other)
 
 
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8-delayed"])
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_fused_producers_step_matches_the_unfused_step_on_gpu(compiled):
+def test_fused_producers_step_matches_the_unfused_step_on_gpu(compiled, recipe):
     """numerics.fused_producers on the GPU (the producers' Triton kernels; compiled, kept as custom-op calls):
-    one step against the unfused one. Not bit for bit as on the CPU: the norm's Triton kernel sums a row in
+    two steps against the unfused ones (delayed: the first casts with its own amax, the second with the
+    delayed scale, in one pass). Not bit for bit as on the CPU: the norm's Triton kernel sums a row in
     another order than torch's (or inductor's) reduction, so rstd may differ in its last bit, an amax with it,
     and every E5M2 gradient cast after it rounds anew (test_compiled_linears_keeping_their_inputs_match_eager_on_gpu:
     7-12% apart from any small change). So: the losses agree closely, and each fused gradient is as close to
@@ -813,15 +832,17 @@ def test_fused_producers_step_matches_the_unfused_step_on_gpu(compiled):
         model = Llama(args).cuda()
         convert(model, dataclasses.replace(get_recipe(recipe), fused_producers=fused))
         assert isinstance(model.layers[0].attention_norm, FP8RMSNorm) == fused
-        x = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(0)).cuda()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = (torch.compile(model) if compiled else model)(x, x)
-        loss.backward()
+        fn = torch.compile(model) if compiled else model
+        for seed in (1, 0):
+            model.zero_grad()
+            x = torch.randint(0, 512, (4, 128), generator=torch.Generator().manual_seed(seed)).cuda()
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = fn(x, x)
+            loss.backward()
         torch._dynamo.reset()
         return loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}
 
-    (_, ref), (loss_u, unfused), (loss_f, fused) = (run("bf16", False), run("fp8-tensorwise", False),
-                                                    run("fp8-tensorwise", True))
+    (_, ref), (loss_u, unfused), (loss_f, fused) = (run("bf16", False), run(recipe, False), run(recipe, True))
     assert abs(loss_f - loss_u) <= 1e-3 * abs(loss_u), (loss_f, loss_u)
     for n, g in ref.items():
         err_u, err_f = ((t[n] - g).norm() / g.norm() for t in (unfused, fused))

@@ -14,7 +14,14 @@ Backward is the unfused one: the model's own formulas (models.llama `rmsnorm_bac
 the high-precision inputs, kept as the plain modules keep them (with their saved-activation codec, if any); each
 linear's backward runs on the FP8 input as it does after its own cast.
 
-Scope: LowPrecisionLinears whose input is one FP8 scale per tensor by current scaling, without OCC, fed by
+Delayed scaling (fp8-delayed, the fp8lm recipes' inputs) casts in one pass, as TransformerEngine does: the
+producer reads the scale from the fed linears' input ScalingState (the first's: they record the same reports, so
+they hold the same scale), writes FP8 with it and measures the amax of what it wrote, which the linears record.
+Where the state asks for the cast's own amax (`ScalingState.warming_up`: the first steps, after a bad amax), the
+amax pass runs before, gated on the device (its kernel reads nothing otherwise), so no step waits for the host;
+the scale is then `ScalingState.cast_scale`'s, bit for bit.
+
+Scope: LowPrecisionLinears whose input is one FP8 scale per tensor, current or delayed, without OCC, fed by
 lowbit's Llama blocks (found by type); the plan refuses other recipes and tensor parallelism (an amax over one
 rank's shard). `remove_fused_producers` puts the plain modules back (unconvert).
 """
@@ -29,7 +36,7 @@ from lowbit.numerics import producers  # noqa: F401
 from lowbit.models.llama import Block, RMSNorm, SwiGLU, rmsnorm_backward, silu_mul_backward
 from lowbit.numerics.linear import LinearRecipe, LowPrecisionLinear, PrequantizedInput
 from lowbit.numerics.scaling import Scaling, scale_from_amax
-from lowbit.numerics.scaling_state import report
+from lowbit.numerics.scaling_state import ScalingState, report
 
 # which linears each producer of a lowbit Block feeds (names relative to the block)
 FEEDS = {"attention_norm": ("attention.wq", "attention.wk", "attention.wv"),
@@ -42,8 +49,8 @@ def unsupported(r: LinearRecipe) -> str | None:
     s = r.input
     if s.granularity != "tensor":
         return f"its input is scaled per {s.granularity}, not one scale per tensor"
-    if s.strategy != "current":
-        return f"its input has {s.strategy} scaling, not current"
+    if s.strategy not in ("current", "delayed"):
+        return f"its input has {s.strategy} scaling"
     if s.fmt not in ("e4m3", "e5m2"):
         return f"its input is {s.fmt}, not FP8"
     if r.occ is not None:
@@ -62,19 +69,44 @@ def _cast_report(amax: torch.Tensor, s: Scaling) -> tuple[torch.Tensor, torch.Te
     return scale, report(amax, bad)
 
 
+def _delayed(state: ScalingState | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(the scale a delayed state holds, whether it is warming up) for the Functions; (None, None): current."""
+    return (None, None) if state is None else (state.scale, state.warming_up())
+
+
+def _delayed_scale(past: torch.Tensor, warming: torch.Tensor, s: Scaling, amax_pass) -> torch.Tensor:
+    """ScalingState.cast_scale's delayed scale: `past`, or in warm-up the current one of the amax that
+    `amax_pass(gate)` measures (gated: read only in warm-up)."""
+    current, _ = scale_from_amax(amax_pass(warming), s, fallback=past)
+    return torch.where(warming, current, past)
+
+
+def _delayed_report(amax: torch.Tensor, s: Scaling) -> torch.Tensor:
+    """The report of a delayed cast that measured `amax` as it wrote."""
+    return report(amax, scale_from_amax(amax, s)[1])
+
+
 class _FP8RMSNorm(torch.autograd.Function):
     """RMSNorm(x)·w as FP8 (token, data, scale, report, and with `transpose` the data transposed); backward:
     models.llama's RMSNorm backward."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, s: Scaling, codec=None, transpose: bool = False):
+    def forward(ctx, x, weight, eps: float, s: Scaling, codec=None, transpose: bool = False, past=None,
+                warming=None):
         x2 = x.reshape(-1, x.shape[-1])
         e5m2 = s.fmt == "e5m2"
+        ops = torch.ops.lowbit
         with torch.autocast(x.device.type, enabled=False):
-            amax, rstd = torch.ops.lowbit.rmsnorm_amax(x2, weight, eps)
-            scale, rep = _cast_report(amax, s)
-            data = torch.ops.lowbit.rmsnorm_cast_t(x2, weight, rstd, scale, e5m2) if transpose else \
-                torch.ops.lowbit.rmsnorm_cast(x2, weight, eps, scale, e5m2, rstd)[:1]
+            if s.strategy == "delayed":  # one pass; rstd and the amax from it
+                scale = _delayed_scale(past, warming, s, lambda gate: ops.rmsnorm_amax(x2, weight, eps, gate)[0])
+                *data, rstd, amax = ops.rmsnorm_cast_t_amax(x2, weight, eps, scale, e5m2) if transpose else \
+                    ops.rmsnorm_cast(x2, weight, eps, scale, e5m2)
+                rep = _delayed_report(amax, s)
+            else:  # current: the amax pass, then the cast with its rstd
+                amax, rstd = ops.rmsnorm_amax(x2, weight, eps)
+                scale, rep = _cast_report(amax, s)
+                data = ops.rmsnorm_cast_t(x2, weight, rstd, scale, e5m2) if transpose else \
+                    ops.rmsnorm_cast(x2, weight, eps, scale, e5m2, rstd)[:1]
         ctx.codec, ctx.x_dtype = codec, x.dtype
         ctx.save_for_backward(rstd.view(*x.shape[:-1], 1), weight, *(codec.pack(x) if codec else (x,)))
         ctx.mark_non_differentiable(*data, scale, rep)
@@ -85,7 +117,7 @@ class _FP8RMSNorm(torch.autograd.Function):
         rstd, weight, *packed = ctx.saved_tensors
         x = ctx.codec.unpack(*packed, ctx.x_dtype) if ctx.codec else packed[0]
         dx, dw = rmsnorm_backward(dy, x, rstd, weight, *ctx.needs_input_grad[:2])
-        return dx, dw, None, None, None, None
+        return dx, dw, None, None, None, None, None, None
 
 
 class _FP8SiluMul(torch.autograd.Function):
@@ -93,13 +125,19 @@ class _FP8SiluMul(torch.autograd.Function):
     models.llama's SwiGLU backward."""
 
     @staticmethod
-    def forward(ctx, a, b, s: Scaling, codec=None, transpose: bool = False):
+    def forward(ctx, a, b, s: Scaling, codec=None, transpose: bool = False, past=None, warming=None):
         a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
-        e5m2 = s.fmt == "e5m2"
+        e5m2, delayed = s.fmt == "e5m2", s.strategy == "delayed"
+        ops = torch.ops.lowbit
         with torch.autocast(a.device.type, enabled=False):
-            scale, rep = _cast_report(torch.ops.lowbit.swiglu_amax(a2, b2), s)
-            data = torch.ops.lowbit.swiglu_cast_t(a2, b2, scale, e5m2) if transpose else \
-                torch.ops.lowbit.swiglu_cast(a2, b2, scale, e5m2, False)[:1]
+            if delayed:  # one pass, measuring the amax
+                scale = _delayed_scale(past, warming, s, lambda gate: ops.swiglu_amax(a2, b2, gate))
+            else:
+                scale, rep = _cast_report(ops.swiglu_amax(a2, b2), s)
+            *data, amax = ops.swiglu_cast_t(a2, b2, scale, e5m2, delayed) if transpose else \
+                ops.swiglu_cast(a2, b2, scale, e5m2, delayed)
+            if delayed:
+                rep = _delayed_report(amax, s)
         ctx.codec, ctx.dtypes = codec, (a.dtype, b.dtype)
         pa, pb = (codec.pack(a), codec.pack(b)) if codec else ((a,), (b,))
         ctx.n_a = len(pa)
@@ -112,46 +150,59 @@ class _FP8SiluMul(torch.autograd.Function):
         saved, n = ctx.saved_tensors, ctx.n_a
         a, b = (ctx.codec.unpack(*saved[:n], ctx.dtypes[0]), ctx.codec.unpack(*saved[n:], ctx.dtypes[1])) \
             if ctx.codec else saved
-        return (*silu_mul_backward(dy, a, b, *ctx.needs_input_grad[:2]), None, None, None)
+        return (*silu_mul_backward(dy, a, b, *ctx.needs_input_grad[:2]), None, None, None, None, None)
 
 
 def _prequantized(token, data, scale, rep, data_t=None) -> PrequantizedInput:
     return PrequantizedInput(token, data.reshape(-1, data.shape[-1]), scale, rep, data_t)
 
 
-class FP8RMSNorm(RMSNorm):
+class _Producer:
+    """What both producers keep: the fed linears' input Scaling, whether to write the transposed copy, and under
+    delayed scaling the ScalingState that holds the scale (the first fed linear's; kept outside the module tree,
+    so the state_dict stays the plain module's)."""
+
+    def _producer_init(self, spec: Scaling, transpose: bool, state: ScalingState | None):
+        self.spec, self.transpose = spec, transpose
+        self.__dict__["_state"] = state if spec.strategy == "delayed" else None
+
+    def extra_repr(self) -> str:
+        return f"output={self.spec.fmt}/tensor/{self.spec.strategy}{', transposed' if self.transpose else ''}"
+
+
+class FP8RMSNorm(_Producer, RMSNorm):
     """An RMSNorm (same parameter, same state_dict) whose output is FP8 for the linears it feeds, cast as their
     input recipe `spec` says; with `transpose` (their weight gradients read it in FP8) also written transposed
     while gradients are on."""
 
-    def __init__(self, norm: RMSNorm, spec: Scaling, transpose: bool = True):
+    def __init__(self, norm: RMSNorm, spec: Scaling, transpose: bool = True, state: ScalingState | None = None):
         nn.Module.__init__(self)
-        self.eps, self.weight, self.codec, self.spec = norm.eps, norm.weight, norm.codec, spec
-        self.transpose = transpose
+        self.eps, self.weight, self.codec = norm.eps, norm.weight, norm.codec
+        self._producer_init(spec, transpose, state)
 
     def forward(self, x: torch.Tensor) -> PrequantizedInput:
         grad = torch.is_grad_enabled()
         return _prequantized(*_FP8RMSNorm.apply(x.contiguous(), self.weight, self.eps, self.spec,
-                                                self.codec if grad else None, self.transpose and grad))
+                                                self.codec if grad else None, self.transpose and grad,
+                                                *_delayed(self._state)))
 
     def extra_repr(self) -> str:
-        return f"eps={self.eps}, output={self.spec.fmt}/tensor/current{', transposed' if self.transpose else ''}"
+        return f"eps={self.eps}, {_Producer.extra_repr(self)}"
 
 
-class FP8SwiGLU(SwiGLU):
+class FP8SwiGLU(_Producer, SwiGLU):
     """SwiGLU whose product silu(a)·b is FP8 for the linear it feeds (w2)."""
 
-    def __init__(self, act: SwiGLU, spec: Scaling, transpose: bool = True):
+    def __init__(self, act: SwiGLU, spec: Scaling, transpose: bool = True, state: ScalingState | None = None):
         nn.Module.__init__(self)
-        self.codec, self.spec, self.transpose = act.codec, spec, transpose
+        self.codec = act.codec
+        self._producer_init(spec, transpose, state)
 
     def forward(self, a: torch.Tensor, b: torch.Tensor) -> PrequantizedInput:
         grad = torch.is_grad_enabled()
         return _prequantized(*_FP8SiluMul.apply(a.contiguous(), b.contiguous(), self.spec,
-                                                self.codec if grad else None, self.transpose and grad))
-
-    def extra_repr(self) -> str:
-        return f"output={self.spec.fmt}/tensor/current{', transposed' if self.transpose else ''}"
+                                                self.codec if grad else None, self.transpose and grad,
+                                                *_delayed(self._state)))
 
 
 def _fed_spec(block: nn.Module, names: tuple[str, ...]) -> tuple[Scaling | None, str | None]:
@@ -189,7 +240,9 @@ def install_fused_producers(model: nn.Module) -> dict[str, list[str]]:
             old = getattr(parent, attr)
             # their weight gradients read the input as FP8, transposed: the producer writes that copy too
             transpose = not any(block.get_submodule(n).recipe.wgrad_hp for n in names)
-            setattr(parent, attr, (FP8RMSNorm if isinstance(old, RMSNorm) else FP8SwiGLU)(old, spec, transpose))
+            state = block.get_submodule(names[0]).scaling["input"]
+            setattr(parent, attr, (FP8RMSNorm if isinstance(old, RMSNorm) else FP8SwiGLU)(old, spec, transpose,
+                                                                                          state))
             out["fused"].append(full)
     return out
 

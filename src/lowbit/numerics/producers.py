@@ -83,9 +83,12 @@ if triton is not None:
         return h
 
     @triton.jit
-    def _swiglu_fp8_kernel(a_ptr, b_ptr, y_ptr, scale_ptr, stats_ptr, n, FMT_MAX: tl.constexpr,
-                           STORE: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr):
-        # BLOCK-element blocks of silu(a)·b, strided over the grid (_grid); STORE: written as FP8
+    def _swiglu_fp8_kernel(a_ptr, b_ptr, y_ptr, scale_ptr, stats_ptr, gate_ptr, n, FMT_MAX: tl.constexpr,
+                           STORE: tl.constexpr, AMAX: tl.constexpr, BLOCK: tl.constexpr, GATED: tl.constexpr):
+        # BLOCK-element blocks of silu(a)·b, strided over the grid (_grid); STORE: written as FP8; GATED: nothing
+        # read or written where gate is 0 (a delayed scale's warm-up amax, needed on some steps only)
+        if GATED:
+            n = tl.where(tl.load(gate_ptr) != 0, n, 0)
         scale = tl.load(scale_ptr)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         nan = tl.zeros([BLOCK], dtype=tl.float32)
@@ -101,11 +104,14 @@ if triton is not None:
             _amax_into(stats_ptr, acc, nan)
 
     @triton.jit
-    def _rmsnorm_fp8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, scale_ptr, stats_ptr, M, N, eps, FMT_MAX: tl.constexpr,
-                            OUT_W_DTYPE: tl.constexpr, STORE: tl.constexpr, AMAX: tl.constexpr,
-                            BLOCK: tl.constexpr, RSTD_GIVEN: tl.constexpr):
+    def _rmsnorm_fp8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, scale_ptr, stats_ptr, gate_ptr, M, N, eps,
+                            FMT_MAX: tl.constexpr, OUT_W_DTYPE: tl.constexpr, STORE: tl.constexpr,
+                            AMAX: tl.constexpr, BLOCK: tl.constexpr, RSTD_GIVEN: tl.constexpr, GATED: tl.constexpr):
         # rows strided over the grid (_grid), each whole: rstd = 1/sqrt(mean(x²) + eps) in fp32 (stored), or with
-        # RSTD_GIVEN read from rstd_ptr; out = w · (x · rstd rounded to x's dtype); STORE: out written as FP8
+        # RSTD_GIVEN read from rstd_ptr; out = w · (x · rstd rounded to x's dtype); STORE: out written as FP8;
+        # GATED: no row where gate is 0
+        if GATED:
+            M = tl.where(tl.load(gate_ptr) != 0, M, 0)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
@@ -143,28 +149,76 @@ if triton is not None:
         tl.store(yt_ptr + rn[None, :] * M + rm[:, None], y, mask=mask)
 
     @triton.jit
-    def _swiglu_fp8_t_kernel(a_ptr, b_ptr, y_ptr, yt_ptr, scale_ptr, M, N, FMT_MAX: tl.constexpr,
-                             BM: tl.constexpr, BN: tl.constexpr):
-        # one [BM, BN] tile of silu(a)·b [M, N], written as FP8 row-major and transposed
+    def _partial_amax(part_ptr, acc, nan):
+        # a program's max |h| and NaN flag into its own pair of part: no atomics (a 2-D grid has tens of thousands
+        # of programs); the host reduces the pairs
+        pid = tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
+        tl.store(part_ptr + 2 * pid, tl.max(tl.max(acc, axis=1), axis=0))
+        tl.store(part_ptr + 2 * pid + 1, tl.max(tl.max(nan, axis=1), axis=0))
+
+    @triton.jit
+    def _swiglu_fp8_t_kernel(a_ptr, b_ptr, y_ptr, yt_ptr, scale_ptr, part_ptr, M, N, FMT_MAX: tl.constexpr,
+                             AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+        # one [BM, BN] tile of silu(a)·b [M, N], written as FP8 row-major and transposed; AMAX: its amax into part
         rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         offs = rm[:, None] * N + rn[None, :]
         h = _swiglu_h(tl.load(a_ptr + offs, mask=mask, other=0.0), tl.load(b_ptr + offs, mask=mask, other=0.0))
         _store_both(y_ptr, yt_ptr, h, scale_ptr, rm, rn, mask, M, N, FMT_MAX)
+        if AMAX:
+            zero = tl.zeros([BM, BN], dtype=tl.float32)
+            acc, nan = _amax_acc(zero, zero, h, mask)
+            _partial_amax(part_ptr, acc, nan)
 
     @triton.jit
-    def _rmsnorm_fp8_t_kernel(x_ptr, w_ptr, rstd_ptr, y_ptr, yt_ptr, scale_ptr, M, N, FMT_MAX: tl.constexpr,
-                              OUT_W_DTYPE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    def _rmsnorm_fp8_rows_t_kernel(x_ptr, w_ptr, rstd_ptr, y_ptr, yt_ptr, scale_ptr, part_ptr, M, N, eps,
+                                   FMT_MAX: tl.constexpr, OUT_W_DTYPE: tl.constexpr, BM: tl.constexpr,
+                                   BN: tl.constexpr):
+        # BM whole rows of RMSNorm(x)·w in [BM, BN] tiles: their rstd (stored) from a first sweep, then the FP8
+        # tiles row-major and transposed and the rows' amax into part. The second sweep reads the rows again,
+        # from L2 (BM rows of x are a few hundred kB). The sum over a row runs tile by tile: rstd may differ from
+        # the row kernel's in the last bit.
+        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
+        sq = tl.zeros([BM], dtype=tl.float32)
+        for c in range(0, N, BN):
+            rn = c + tl.arange(0, BN)
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
+            sq += tl.sum(libdevice.mul_rn(x, x), axis=1)
+        mean = libdevice.mul_rn(sq, tl.math.div_rn(1.0, tl.cast(N, tl.float32)))
+        rstd = libdevice.rsqrt(libdevice.add_rn(mean, tl.cast(eps, tl.float32)))
+        tl.store(rstd_ptr + rm, rstd, mask=rm < M)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        nan = tl.zeros([BM, BN], dtype=tl.float32)
+        for c in range(0, N, BN):
+            rn = c + tl.arange(0, BN)
+            mask = (rm[:, None] < M) & (rn[None, :] < N)
+            xr = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
+            w = tl.load(w_ptr + rn, mask=rn < N, other=0.0)[None, :]
+            h = _norm_h(xr, rstd[:, None], w, OUT_W_DTYPE)
+            acc, nan = _amax_acc(acc, nan, h, mask)
+            _store_both(y_ptr, yt_ptr, h, scale_ptr, rm, rn, mask, M, N, FMT_MAX)
+        _partial_amax(part_ptr, acc, nan)
+
+    @triton.jit
+    def _rmsnorm_fp8_t_kernel(x_ptr, w_ptr, rstd_ptr, y_ptr, yt_ptr, scale_ptr, part_ptr, M, N,
+                              FMT_MAX: tl.constexpr, OUT_W_DTYPE: tl.constexpr, AMAX: tl.constexpr,
+                              BM: tl.constexpr, BN: tl.constexpr):
         # one [BM, BN] tile of RMSNorm(x)·w with the rows' rstd given (the amax pass's), as FP8 row-major and
-        # transposed
+        # transposed; AMAX: its amax into part
         rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)
         xr = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
         rstd = tl.load(rstd_ptr + rm, mask=rm < M, other=0.0)[:, None]
         w = tl.load(w_ptr + rn, mask=rn < N, other=0.0)[None, :]
-        _store_both(y_ptr, yt_ptr, _norm_h(xr, rstd, w, OUT_W_DTYPE), scale_ptr, rm, rn, mask, M, N, FMT_MAX)
+        h = _norm_h(xr, rstd, w, OUT_W_DTYPE)
+        _store_both(y_ptr, yt_ptr, h, scale_ptr, rm, rn, mask, M, N, FMT_MAX)
+        if AMAX:
+            zero = tl.zeros([BM, BN], dtype=tl.float32)
+            acc, nan = _amax_acc(zero, zero, h, mask)
+            _partial_amax(part_ptr, acc, nan)
 
 SWIGLU_BLOCK, SWIGLU_WARPS = 2048, 8
 PROGRAMS_PER_SM = 8  # the row kernels' grid: enough programs to keep every SM's memory pipes full
@@ -204,7 +258,12 @@ def _on_gpu(x: torch.Tensor) -> bool:
     return x.is_cuda and triton is not None
 
 
-def _swiglu_launch(a, b, scale, e5m2: bool, store: bool, amax: bool):
+def _gate(gate: torch.Tensor | None, stats: torch.Tensor) -> torch.Tensor:
+    """The kernels' gate operand: `gate` as one fp32 (nonzero: run), or any pointer where there is none."""
+    return gate.float().reshape(1) if gate is not None else stats
+
+
+def _swiglu_launch(a, b, scale, e5m2: bool, store: bool, amax: bool, gate=None):
     a, b = a.contiguous(), b.contiguous()
     y = torch.empty(a.shape, device=a.device, dtype=_fp8(e5m2)) if store else a.new_empty(0, dtype=_fp8(e5m2))
     stats = torch.zeros(2, device=a.device, dtype=torch.float32)
@@ -212,8 +271,8 @@ def _swiglu_launch(a, b, scale, e5m2: bool, store: bool, amax: bool):
     s = scale.float().reshape(1) if scale is not None else stats
     with torch.cuda.device(a.device):  # an eager launch goes to the current device: make it a's
         wrap_triton(_swiglu_fp8_kernel)[(_grid(a.device, triton.cdiv(n, SWIGLU_BLOCK)),)](
-            a, b, y, s, stats, n, FMT_MAX=kernels.FP8_MAX[y.dtype], STORE=store, AMAX=amax, BLOCK=SWIGLU_BLOCK,
-            num_warps=SWIGLU_WARPS)
+            a, b, y, s, stats, _gate(gate, stats), n, FMT_MAX=kernels.FP8_MAX[y.dtype], STORE=store, AMAX=amax,
+            BLOCK=SWIGLU_BLOCK, GATED=gate is not None, num_warps=SWIGLU_WARPS)
     return y, _amax_of(stats)
 
 
@@ -226,25 +285,34 @@ def _cast_ref(h: torch.Tensor, scale: torch.Tensor, e5m2: bool) -> torch.Tensor:
     return (h.float() * scale.float()).clamp(-fmax, fmax).to(_fp8(e5m2))
 
 
-def _transposed_pair(kernel, M: int, N: int, like: torch.Tensor, e5m2: bool, *args, **constexprs):
-    """(y [M, N], yᵀ [N, M]) in FP8 from one launch of a transposing producer kernel over [T_BLOCK_M, T_BLOCK_N]
-    tiles. `args`: the kernel's inputs, then the scale; `constexprs`: its own besides the format and the tile."""
+def _transposed_pair(kernel, M: int, N: int, like: torch.Tensor, e5m2: bool, *args, amax: bool = False,
+                     **constexprs):
+    """(y [M, N], yᵀ [N, M], the amax or 0) in FP8 from one launch of a transposing producer kernel over
+    [T_BLOCK_M, T_BLOCK_N] tiles. `args`: the kernel's inputs, then the scale; `constexprs`: its own besides the
+    format, the tile and AMAX."""
     y = torch.empty((M, N), device=like.device, dtype=_fp8(e5m2))
     yt = torch.empty((N, M), device=like.device, dtype=_fp8(e5m2))
+    grid = (triton.cdiv(M, T_BLOCK_M), triton.cdiv(N, T_BLOCK_N))
+    part = torch.empty((grid[0] * grid[1] if amax else 1, 2), device=like.device, dtype=torch.float32)
     *inputs, scale = args
     with torch.cuda.device(like.device):
-        wrap_triton(kernel)[(triton.cdiv(M, T_BLOCK_M), triton.cdiv(N, T_BLOCK_N))](
-            *inputs, y, yt, scale.float().reshape(1), M, N, FMT_MAX=kernels.FP8_MAX[y.dtype], BM=T_BLOCK_M,
-            BN=T_BLOCK_N, num_warps=T_WARPS, **constexprs)
-    return y, yt
+        wrap_triton(kernel)[grid](*inputs, y, yt, scale.float().reshape(1), part, M, N,
+                                  FMT_MAX=kernels.FP8_MAX[y.dtype], AMAX=amax, BM=T_BLOCK_M, BN=T_BLOCK_N,
+                                  num_warps=T_WARPS, **constexprs)
+    return y, yt, _amax_of(part.amax(0)) if amax else torch.zeros((), device=like.device, dtype=torch.float32)
+
+
+def _gated(amax: torch.Tensor, gate: torch.Tensor | None) -> torch.Tensor:
+    return amax if gate is None else torch.where(gate != 0, amax, torch.zeros_like(amax))
 
 
 @_op("lowbit::swiglu_amax")
-def swiglu_amax(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """max |silu(a)·b| (NaN if one is), reading a and b once and writing nothing."""
+def swiglu_amax(a: torch.Tensor, b: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+    """max |silu(a)·b| (NaN if one is), reading a and b once and writing nothing; with a `gate` (a 0-dim tensor)
+    only where it is nonzero, else 0 without reading them (decided on the device: no host sync)."""
     if _on_gpu(a):
-        return _swiglu_launch(a, b, None, False, False, True)[1]
-    return _swiglu_ref(a, b).abs().amax().float()
+        return _swiglu_launch(a, b, None, False, False, True, gate)[1]
+    return _gated(_swiglu_ref(a, b).abs().amax().float(), gate)
 
 
 @_op("lowbit::swiglu_cast")
@@ -260,18 +328,20 @@ def swiglu_cast(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, e5m2: boo
 
 
 @_op("lowbit::swiglu_cast_t")
-def swiglu_cast_t(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor,
-                  e5m2: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """silu(a)·b of 2-D a, b cast with `scale`, row-major and transposed (the bytes a weight-gradient GEMM reads),
-    in one pass."""
+def swiglu_cast_t(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, e5m2: bool,
+                  with_amax: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(silu(a)·b of 2-D a, b cast with `scale`, row-major and transposed (the bytes a weight-gradient GEMM
+    reads), its amax when `with_amax` else 0), in one pass."""
     if _on_gpu(a):
         a, b = a.contiguous(), b.contiguous()
-        return _transposed_pair(_swiglu_fp8_t_kernel, *a.shape, a, e5m2, a, b, scale)
-    y = _cast_ref(_swiglu_ref(a, b), scale, e5m2)
-    return y, y.t().contiguous()
+        return _transposed_pair(_swiglu_fp8_t_kernel, *a.shape, a, e5m2, a, b, scale, amax=with_amax)
+    h = _swiglu_ref(a, b)
+    y = _cast_ref(h, scale, e5m2)
+    return y, y.t().contiguous(), \
+        h.abs().amax().float() if with_amax else torch.zeros((), dtype=torch.float32, device=a.device)
 
 
-def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool, rstd=None):
+def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool, rstd=None, gate=None):
     x, w = x.contiguous(), w.contiguous()
     M, N = x.shape
     y = torch.empty((M, N), device=x.device, dtype=_fp8(e5m2)) if store else x.new_empty(0, dtype=_fp8(e5m2))
@@ -281,9 +351,9 @@ def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool, rstd=None)
     block = triton.next_power_of_2(N)
     with torch.cuda.device(x.device):
         wrap_triton(_rmsnorm_fp8_kernel)[(_grid(x.device, M),)](
-            x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, M, N, eps,
-            FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=_out_w_dtype(x, w), STORE=store, AMAX=True,
-            BLOCK=block, RSTD_GIVEN=given, num_warps=8 if block >= 4096 else 4)
+            x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, _gate(gate, stats), M,
+            N, eps, FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=_out_w_dtype(x, w), STORE=store, AMAX=True,
+            BLOCK=block, RSTD_GIVEN=given, GATED=gate is not None, num_warps=8 if block >= 4096 else 4)
     return y, rstd, _amax_of(stats)
 
 
@@ -299,13 +369,15 @@ def _rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Te
 
 
 @_op("lowbit::rmsnorm_amax")
-def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max |RMSNorm(x)·w| of a 2-D x, the fp32 rstd of each row [M, 1]), reading x once and writing only rstd."""
+def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float,
+                 gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max |RMSNorm(x)·w| of a 2-D x, the fp32 rstd of each row [M, 1]), reading x once and writing only rstd;
+    with a `gate`, as swiglu_amax (where it is 0: amax 0, rstd unwritten on a GPU)."""
     if _on_gpu(x):
-        _, rstd, amax = _rmsnorm_launch(x, w, eps, None, False, False)
+        _, rstd, amax = _rmsnorm_launch(x, w, eps, None, False, False, gate=gate)
         return amax, rstd
     h, rstd = _rmsnorm_ref(x, w, eps)
-    return h.abs().amax().float(), rstd
+    return _gated(h.abs().amax().float(), gate), rstd
 
 
 @_op("lowbit::rmsnorm_cast")
@@ -331,9 +403,31 @@ def rmsnorm_cast_t(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, scale: 
     if _on_gpu(x):
         x, w = x.contiguous(), w.contiguous()
         return _transposed_pair(_rmsnorm_fp8_t_kernel, *x.shape, x, e5m2, x, w, rstd.contiguous(), scale,
-                                OUT_W_DTYPE=_out_w_dtype(x, w))
+                                OUT_W_DTYPE=_out_w_dtype(x, w))[:2]
     y = _cast_ref(w * (x.float() * rstd).to(x.dtype), scale, e5m2)
     return y, y.t().contiguous()
+
+
+@_op("lowbit::rmsnorm_cast_t_amax")
+def rmsnorm_cast_t_amax(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor,
+                        e5m2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x)·w of a 2-D x cast with `scale`, row-major and transposed, the fp32 rstd of each row [M, 1],
+    the amax), in one pass over x: the cast of a scale known before (delayed scaling)."""
+    if _on_gpu(x):
+        x, w = x.contiguous(), w.contiguous()
+        (M, N), f8 = x.shape, _fp8(e5m2)
+        y, yt = torch.empty((M, N), device=x.device, dtype=f8), torch.empty((N, M), device=x.device, dtype=f8)
+        rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
+        grid = triton.cdiv(M, T_BLOCK_M)
+        part = torch.empty((grid, 2), device=x.device, dtype=torch.float32)
+        with torch.cuda.device(x.device):
+            wrap_triton(_rmsnorm_fp8_rows_t_kernel)[(grid,)](
+                x, w, rstd, y, yt, scale.float().reshape(1), part, M, N, eps, FMT_MAX=kernels.FP8_MAX[f8],
+                OUT_W_DTYPE=_out_w_dtype(x, w), BM=T_BLOCK_M, BN=T_BLOCK_N, num_warps=T_WARPS)
+        return y, yt, rstd, _amax_of(part.amax(0))
+    h, rstd = _rmsnorm_ref(x, w, eps)
+    y = _cast_ref(h, scale, e5m2)
+    return y, y.t().contiguous(), rstd, h.abs().amax().float()
 
 
 def _current(amax: torch.Tensor, s: Scaling) -> torch.Tensor:

@@ -120,7 +120,8 @@ class NumericsConfig:
     margin: int | None = opt(None, "every operand: scale by 2^-margin below fmt.max / amax (headroom); unset: the "
                                    "recipe's (0)")
     fused_producers: bool = opt(False, "the blocks' RMSNorms and SwiGLU write their output directly as FP8 for the "
-                                       "linears reading it (recipes with one current scale per tensor on the input)")
+                                       "linears reading it (recipes with one current or delayed scale per tensor on the "
+                                       "input)")
     fp8_attention: bool = opt(False, "FP8 recipes: causal attention on E4M3 Q, K, V (a scale per head) and P, the "
                                      "backward bf16's at the dequantized operands (docs/numerics.md); off until a "
                                      "convergence study says it is safe")

@@ -64,7 +64,8 @@ def _check_dropout(cfg: Config) -> None:
 
 def _check_fused_producers(cfg: Config, recipe: Recipe) -> None:
     """numerics.fused_producers writes the norms' and SwiGLU's output as FP8 with the scale of the linears that
-    read it: their input must be cast with one current scale per tensor of the whole tensor (not a rank's shard)."""
+    read it: their input must be cast with one current or delayed scale per tensor of the whole tensor (not a
+    rank's shard)."""
     why = "it has no low-precision linears" if recipe.linear is None else unsupported(recipe.linear)
     if why:
         raise LowbitError(f"numerics.fused_producers: not with recipe {cfg.recipe}: {why}; set "
