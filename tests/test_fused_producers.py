@@ -225,9 +225,10 @@ def test_config_refuses_tensor_parallelism_and_takes_delayed_scaling(capsys):
 
 
 @pytest.mark.slow
-def test_train_with_fused_producers_from_the_command_line(tmp_path, capsys):
-    """A short run with the knob is the run without it, loss for loss."""
-    base = [*SMALL, "--recipe", "fp8-tensorwise", "--train.steps", "4", "--train.eval_every", "0",
+@pytest.mark.parametrize("recipe", ["fp8-tensorwise", "fp8lm-o2"])
+def test_train_with_fused_producers_from_the_command_line(tmp_path, capsys, recipe):
+    """A short run with the knob is the run without it, loss for loss (fp8lm-o2: delayed input scales)."""
+    base = [*SMALL, "--recipe", recipe, "--train.steps", "4", "--train.eval_every", "0",
             "--numerics.telemetry_every", "2"]  # telemetry steps too: their inputs have no statistics
     code, out, _ = cli(capsys, "train", *base, "--numerics.fused_producers", "true", "--run.dir", tmp_path / "on")
     assert code == 0
