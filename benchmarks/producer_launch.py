@@ -91,8 +91,7 @@ def rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
 COLUMNS = [["variant", "producer, way", ""], ["host_us", "host µs per call", ".1f"],
            ["gpu_us", "GPU µs per call", ".1f"]]
 
-# the transposing casts' tiles tried: (rows, columns, warps) (producers.py's: 32 x 128, 4 warps); the norm's
-# one-pass cast takes rows in blocks of the tile's rows, so a block's rows must stay in L2 for its second sweep
+# the transposing casts' tiles tried: (rows, columns, warps) (producers.py's: 32 x 128, 4 warps)
 TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 4), (64, 128, 8), (32, 128, 4),
          (16, 128, 4))
 
@@ -100,8 +99,8 @@ TILES = ((128, 128, 8), (64, 128, 4), (128, 64, 4), (64, 64, 4), (128, 128, 4), 
 def tile_rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
     """The transposing casts alone (swiglu_cast_t, rmsnorm_cast_t: FP8 row-major and transposed in one pass) per
     tile shape, GPU time and the bandwidth of the bytes they must move (bf16 inputs read, two FP8 copies written);
-    beside them delayed scaling's one-pass casts, which also measure the amax (swiglu_cast_t with_amax,
-    rmsnorm_cast_t_amax: whole rows, rstd computed), and once the amax passes that current scaling runs first."""
+    beside them delayed scaling's one-pass SwiGLU cast, which also measures the amax (swiglu_cast_t with_amax), and
+    once the amax passes that current scaling runs first (and the norm under either scaling)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(tokens, dim, device="cuda", dtype=torch.bfloat16, generator=g)
     w = torch.ones(dim, device="cuda", dtype=torch.float32)
@@ -126,9 +125,7 @@ def tile_rows(tokens: int, dim: int, hidden: int, calls: int) -> list[dict]:
                     ("swiglu_cast_t", lambda: ops.swiglu_cast_t(a, b, scale, False), 6 * a.numel()),
                     ("swiglu_cast_t with its amax (delayed)", lambda: ops.swiglu_cast_t(a, b, scale, False, True),
                      6 * a.numel()),
-                    ("rmsnorm_cast_t", lambda: ops.rmsnorm_cast_t(x, w, rstd, scale, False), 4 * x.numel()),
-                    ("rmsnorm_cast_t_amax (delayed, rows whole)",
-                     lambda: ops.rmsnorm_cast_t_amax(x, w, 1e-5, scale, False), 4 * x.numel())):
+                    ("rmsnorm_cast_t", lambda: ops.rmsnorm_cast_t(x, w, rstd, scale, False), 4 * x.numel())):
                 row(f"{name}, {bm} x {bn} tile, {warps} warps", fn, moved)
     finally:
         producers.T_BLOCK_M, producers.T_BLOCK_N, producers.T_WARPS = kept

@@ -14,12 +14,13 @@ Backward is the unfused one: the model's own formulas (models.llama `rmsnorm_bac
 the high-precision inputs, kept as the plain modules keep them (with their saved-activation codec, if any); each
 linear's backward runs on the FP8 input as it does after its own cast.
 
-Delayed scaling (fp8-delayed, the fp8lm recipes' inputs) casts in one pass, as TransformerEngine does: the
-producer reads the scale from the fed linears' input ScalingState (the first's: they record the same reports, so
-they hold the same scale), writes FP8 with it and measures the amax of what it wrote, which the linears record.
-Where the state asks for the cast's own amax (`ScalingState.warming_up`: the first steps, after a bad amax), the
-amax pass runs before, gated on the device (its kernel reads nothing otherwise), so no step waits for the host;
-the scale is then `ScalingState.cast_scale`'s, bit for bit.
+Under delayed scaling (fp8-delayed, the fp8lm recipes' inputs) the producer reads the scale from the fed linears'
+input ScalingState (the first's: they record the same reports, so they hold the same scale). SwiGLU then casts in
+one pass, as TransformerEngine does, measuring the amax of what it writes, which the linears record; where the
+state asks for the cast's own amax (`ScalingState.warming_up`: the first steps, after a bad amax) its amax pass
+runs before, gated on the device (its kernel reads nothing otherwise), so no step waits for the host. The norm
+keeps its amax pass, whose rstd its transposing cast needs. Either way the scale is `ScalingState.cast_scale`'s,
+bit for bit.
 
 Scope: LowPrecisionLinears whose input is one FP8 scale per tensor, current or delayed, without OCC, fed by
 lowbit's Llama blocks (found by type); the plan refuses other recipes and tensor parallelism (an amax over one
@@ -74,10 +75,10 @@ def _delayed(state: ScalingState | None) -> tuple[torch.Tensor | None, torch.Ten
     return (None, None) if state is None else (state.scale, state.warming_up())
 
 
-def _delayed_scale(past: torch.Tensor, warming: torch.Tensor, s: Scaling, amax_pass) -> torch.Tensor:
-    """ScalingState.cast_scale's delayed scale: `past`, or in warm-up the current one of the amax that
-    `amax_pass(gate)` measures (gated: read only in warm-up)."""
-    current, _ = scale_from_amax(amax_pass(warming), s, fallback=past)
+def _delayed_scale(past: torch.Tensor, warming: torch.Tensor, s: Scaling, amax: torch.Tensor) -> torch.Tensor:
+    """ScalingState.cast_scale's delayed scale: `past`, or in warm-up the current one of the cast's `amax` (which
+    may be measured only then: SwiGLU's gated amax pass)."""
+    current, _ = scale_from_amax(amax, s, fallback=past)
     return torch.where(warming, current, past)
 
 
@@ -97,16 +98,17 @@ class _FP8RMSNorm(torch.autograd.Function):
         e5m2 = s.fmt == "e5m2"
         ops = torch.ops.lowbit
         with torch.autocast(x.device.type, enabled=False):
-            if s.strategy == "delayed":  # one pass; rstd and the amax from it
-                scale = _delayed_scale(past, warming, s, lambda gate: ops.rmsnorm_amax(x2, weight, eps, gate)[0])
-                *data, rstd, amax = ops.rmsnorm_cast_t_amax(x2, weight, eps, scale, e5m2) if transpose else \
-                    ops.rmsnorm_cast(x2, weight, eps, scale, e5m2)
+            # the amax pass, then the cast with its rstd, under either scaling (the transposing cast's tiles need
+            # the rows' rstd; a one-pass kernel over whole rows took 124 us against these two passes' 103 on an
+            # H100 at 16384 x 2048: BENCHMARKS.md)
+            amax, rstd = ops.rmsnorm_amax(x2, weight, eps)
+            if s.strategy == "delayed":
+                scale = _delayed_scale(past, warming, s, amax)
                 rep = _delayed_report(amax, s)
-            else:  # current: the amax pass, then the cast with its rstd
-                amax, rstd = ops.rmsnorm_amax(x2, weight, eps)
+            else:
                 scale, rep = _cast_report(amax, s)
-                data = ops.rmsnorm_cast_t(x2, weight, rstd, scale, e5m2) if transpose else \
-                    ops.rmsnorm_cast(x2, weight, eps, scale, e5m2, rstd)[:1]
+            data = ops.rmsnorm_cast_t(x2, weight, rstd, scale, e5m2) if transpose else \
+                ops.rmsnorm_cast(x2, weight, eps, scale, e5m2, rstd)[:1]
         ctx.codec, ctx.x_dtype = codec, x.dtype
         ctx.save_for_backward(rstd.view(*x.shape[:-1], 1), weight, *(codec.pack(x) if codec else (x,)))
         ctx.mark_non_differentiable(*data, scale, rep)
@@ -131,7 +133,7 @@ class _FP8SiluMul(torch.autograd.Function):
         ops = torch.ops.lowbit
         with torch.autocast(a.device.type, enabled=False):
             if delayed:  # one pass, measuring the amax
-                scale = _delayed_scale(past, warming, s, lambda gate: ops.swiglu_amax(a2, b2, gate))
+                scale = _delayed_scale(past, warming, s, ops.swiglu_amax(a2, b2, warming))
             else:
                 scale, rep = _cast_report(ops.swiglu_amax(a2, b2), s)
             *data, amax = ops.swiglu_cast_t(a2, b2, scale, e5m2, delayed) if transpose else \

@@ -104,14 +104,11 @@ if triton is not None:
             _amax_into(stats_ptr, acc, nan)
 
     @triton.jit
-    def _rmsnorm_fp8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, scale_ptr, stats_ptr, gate_ptr, M, N, eps,
-                            FMT_MAX: tl.constexpr, OUT_W_DTYPE: tl.constexpr, STORE: tl.constexpr,
-                            AMAX: tl.constexpr, BLOCK: tl.constexpr, RSTD_GIVEN: tl.constexpr, GATED: tl.constexpr):
+    def _rmsnorm_fp8_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, scale_ptr, stats_ptr, M, N, eps, FMT_MAX: tl.constexpr,
+                            OUT_W_DTYPE: tl.constexpr, STORE: tl.constexpr, AMAX: tl.constexpr,
+                            BLOCK: tl.constexpr, RSTD_GIVEN: tl.constexpr):
         # rows strided over the grid (_grid), each whole: rstd = 1/sqrt(mean(x²) + eps) in fp32 (stored), or with
-        # RSTD_GIVEN read from rstd_ptr; out = w · (x · rstd rounded to x's dtype); STORE: out written as FP8;
-        # GATED: no row where gate is 0
-        if GATED:
-            M = tl.where(tl.load(gate_ptr) != 0, M, 0)
+        # RSTD_GIVEN read from rstd_ptr; out = w · (x · rstd rounded to x's dtype); STORE: out written as FP8
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         w = tl.load(w_ptr + cols, mask=mask, other=0.0)
@@ -170,36 +167,6 @@ if triton is not None:
             zero = tl.zeros([BM, BN], dtype=tl.float32)
             acc, nan = _amax_acc(zero, zero, h, mask)
             _partial_amax(part_ptr, acc, nan)
-
-    @triton.jit
-    def _rmsnorm_fp8_rows_t_kernel(x_ptr, w_ptr, rstd_ptr, y_ptr, yt_ptr, scale_ptr, part_ptr, M, N, eps,
-                                   FMT_MAX: tl.constexpr, OUT_W_DTYPE: tl.constexpr, BM: tl.constexpr,
-                                   BN: tl.constexpr):
-        # BM whole rows of RMSNorm(x)·w in [BM, BN] tiles: their rstd (stored) from a first sweep, then the FP8
-        # tiles row-major and transposed and the rows' amax into part. The second sweep reads the rows again,
-        # from L2 (BM rows of x are a few hundred kB). The sum over a row runs tile by tile: rstd may differ from
-        # the row kernel's in the last bit.
-        rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
-        sq = tl.zeros([BM], dtype=tl.float32)
-        for c in range(0, N, BN):
-            rn = c + tl.arange(0, BN)
-            mask = (rm[:, None] < M) & (rn[None, :] < N)
-            x = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0).to(tl.float32)
-            sq += tl.sum(libdevice.mul_rn(x, x), axis=1)
-        mean = libdevice.mul_rn(sq, tl.math.div_rn(1.0, tl.cast(N, tl.float32)))
-        rstd = libdevice.rsqrt(libdevice.add_rn(mean, tl.cast(eps, tl.float32)))
-        tl.store(rstd_ptr + rm, rstd, mask=rm < M)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-        nan = tl.zeros([BM, BN], dtype=tl.float32)
-        for c in range(0, N, BN):
-            rn = c + tl.arange(0, BN)
-            mask = (rm[:, None] < M) & (rn[None, :] < N)
-            xr = tl.load(x_ptr + rm[:, None] * N + rn[None, :], mask=mask, other=0.0)
-            w = tl.load(w_ptr + rn, mask=rn < N, other=0.0)[None, :]
-            h = _norm_h(xr, rstd[:, None], w, OUT_W_DTYPE)
-            acc, nan = _amax_acc(acc, nan, h, mask)
-            _store_both(y_ptr, yt_ptr, h, scale_ptr, rm, rn, mask, M, N, FMT_MAX)
-        _partial_amax(part_ptr, acc, nan)
 
     @triton.jit
     def _rmsnorm_fp8_t_kernel(x_ptr, w_ptr, rstd_ptr, y_ptr, yt_ptr, scale_ptr, part_ptr, M, N,
@@ -341,7 +308,7 @@ def swiglu_cast_t(a: torch.Tensor, b: torch.Tensor, scale: torch.Tensor, e5m2: b
         h.abs().amax().float() if with_amax else torch.zeros((), dtype=torch.float32, device=a.device)
 
 
-def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool, rstd=None, gate=None):
+def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool, rstd=None):
     x, w = x.contiguous(), w.contiguous()
     M, N = x.shape
     y = torch.empty((M, N), device=x.device, dtype=_fp8(e5m2)) if store else x.new_empty(0, dtype=_fp8(e5m2))
@@ -351,9 +318,9 @@ def _rmsnorm_launch(x, w, eps: float, scale, e5m2: bool, store: bool, rstd=None,
     block = triton.next_power_of_2(N)
     with torch.cuda.device(x.device):
         wrap_triton(_rmsnorm_fp8_kernel)[(_grid(x.device, M),)](
-            x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, _gate(gate, stats), M,
-            N, eps, FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=_out_w_dtype(x, w), STORE=store, AMAX=True,
-            BLOCK=block, RSTD_GIVEN=given, GATED=gate is not None, num_warps=8 if block >= 4096 else 4)
+            x, w, y, rstd, scale.float().reshape(1) if scale is not None else stats, stats, M, N, eps,
+            FMT_MAX=kernels.FP8_MAX[y.dtype], OUT_W_DTYPE=_out_w_dtype(x, w), STORE=store, AMAX=True,
+            BLOCK=block, RSTD_GIVEN=given, num_warps=8 if block >= 4096 else 4)
     return y, rstd, _amax_of(stats)
 
 
@@ -369,15 +336,13 @@ def _rmsnorm_ref(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Te
 
 
 @_op("lowbit::rmsnorm_amax")
-def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float,
-                 gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(max |RMSNorm(x)·w| of a 2-D x, the fp32 rstd of each row [M, 1]), reading x once and writing only rstd;
-    with a `gate`, as swiglu_amax (where it is 0: amax 0, rstd unwritten on a GPU)."""
+def rmsnorm_amax(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(max |RMSNorm(x)·w| of a 2-D x, the fp32 rstd of each row [M, 1]), reading x once and writing only rstd."""
     if _on_gpu(x):
-        _, rstd, amax = _rmsnorm_launch(x, w, eps, None, False, False, gate=gate)
+        _, rstd, amax = _rmsnorm_launch(x, w, eps, None, False, False)
         return amax, rstd
     h, rstd = _rmsnorm_ref(x, w, eps)
-    return _gated(h.abs().amax().float(), gate), rstd
+    return h.abs().amax().float(), rstd
 
 
 @_op("lowbit::rmsnorm_cast")
@@ -406,28 +371,6 @@ def rmsnorm_cast_t(x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor, scale: 
                                 OUT_W_DTYPE=_out_w_dtype(x, w))[:2]
     y = _cast_ref(w * (x.float() * rstd).to(x.dtype), scale, e5m2)
     return y, y.t().contiguous()
-
-
-@_op("lowbit::rmsnorm_cast_t_amax")
-def rmsnorm_cast_t_amax(x: torch.Tensor, w: torch.Tensor, eps: float, scale: torch.Tensor,
-                        e5m2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x)·w of a 2-D x cast with `scale`, row-major and transposed, the fp32 rstd of each row [M, 1],
-    the amax), in one pass over x: the cast of a scale known before (delayed scaling)."""
-    if _on_gpu(x):
-        x, w = x.contiguous(), w.contiguous()
-        (M, N), f8 = x.shape, _fp8(e5m2)
-        y, yt = torch.empty((M, N), device=x.device, dtype=f8), torch.empty((N, M), device=x.device, dtype=f8)
-        rstd = torch.empty((M, 1), device=x.device, dtype=torch.float32)
-        grid = triton.cdiv(M, T_BLOCK_M)
-        part = torch.empty((grid, 2), device=x.device, dtype=torch.float32)
-        with torch.cuda.device(x.device):
-            wrap_triton(_rmsnorm_fp8_rows_t_kernel)[(grid,)](
-                x, w, rstd, y, yt, scale.float().reshape(1), part, M, N, eps, FMT_MAX=kernels.FP8_MAX[f8],
-                OUT_W_DTYPE=_out_w_dtype(x, w), BM=T_BLOCK_M, BN=T_BLOCK_N, num_warps=T_WARPS)
-        return y, yt, rstd, _amax_of(part.amax(0))
-    h, rstd = _rmsnorm_ref(x, w, eps)
-    y = _cast_ref(h, scale, e5m2)
-    return y, y.t().contiguous(), rstd, h.abs().amax().float()
 
 
 def _current(amax: torch.Tensor, s: Scaling) -> torch.Tensor:
