@@ -148,6 +148,8 @@ KNOBS = {
               "fp8lm-o2+train.compile_scope=blocks"),
         _both(("+ `optim.weights=fp16` (scaled FP16 weights, their own master: the default now; compiled by block)",
                "6"), FP16W, "fp8lm-o2+optim.weights=fp16"),
+        _both(("+ `optim.scales=bound` (the update in one pass; on an H100, beside a bf16 run there)", "6"),
+              "fp8lm-o2_bound_scales_h100/convergence.json", "fp8lm-o2+optim.scales=bound"),
         _both(("fp8lm-o2, compiled whole (a second run)", "6"), MOM, "fp8lm-o2"),
         _both(("+ `optim.rounding=stochastic`", "6"), FP8LM, "fp8lm-o2+optim.rounding=stochastic"),
         _both(("+ `optim.grads=bf16`", "7"), FP8LM, "fp8lm-o2+optim.grads=bf16"),
@@ -233,7 +235,7 @@ p = argparse.ArgumentParser()
 p.add_argument("runs", type=Path)
 p.add_argument("--eager", type=Path, help="run dirs of eager runs (shown as '<recipe> (eager)')")
 p.add_argument("--out", type=Path, default=Path("."))
-p.add_argument("--device", default="NVIDIA H200")
+p.add_argument("--device", help="the GPU, where compare.json does not name it (default NVIDIA H200, the study's)")
 p.add_argument("--command", help="the study script's printed COMMAND line, when compare.json is missing")
 p.add_argument("--torch", help="torch version of the runs, when compare.json is missing")
 p.add_argument("--date", help="date of the runs, when compare.json is missing")
@@ -280,7 +282,7 @@ entries = list(dict.fromkeys(re.sub(r"\+train\.seed=\d+$", "", r) if " --seeds "
                              for r in order if "eager" not in r))
 head, _, tail = facts["command"].partition(" --recipes ")  # compare's command, with every run's recipes
 tail = re.sub(r" --(devices|out) \S+", "", re.sub(r"^\S+", "", tail))  # and without its devices and out dir
-report = {"device": a.device, "torch": facts["torch"], "date": facts["date"],
+report = {"device": a.device or facts.get("device") or "NVIDIA H200", "torch": facts["torch"], "date": facts["date"],
           "command": f"{head} --recipes {','.join(entries)} --devices ...{tail}",
           "baseline": "bf16", "last_n": facts["last_n"], "runs": []}
 for r in order:
