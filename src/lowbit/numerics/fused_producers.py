@@ -165,6 +165,8 @@ class _Producer:
     so the state_dict stays the plain module's)."""
 
     def _producer_init(self, spec: Scaling, transpose: bool, state: ScalingState | None):
+        if spec.strategy == "delayed" and state is None:
+            raise ValueError("a producer scaled by delayed scaling needs the ScalingState of the linears it feeds")
         self.spec, self.transpose = spec, transpose
         self.__dict__["_state"] = state if spec.strategy == "delayed" else None
 

@@ -52,7 +52,7 @@ class LinearRecipe:
 @dataclass
 class PrequantizedInput:
     """A linear's input that its producer wrote directly as FP8 (numerics.fused_producers), with the scale a
-    LowPrecisionLinear's tensorwise current cast would pick (so the same bytes). `token` stands for the
+    LowPrecisionLinear's tensorwise cast would pick, current or delayed (so the same bytes). `token` stands for the
     high-precision tensor that was never written: an expanded zero of its shape and dtype (no memory), the output
     of the producer's autograd Function, so that the linears' input gradients reach the producer's backward."""
 
