@@ -82,11 +82,6 @@ def _delayed_scale(past: torch.Tensor, warming: torch.Tensor, s: Scaling, amax: 
     return torch.where(warming, current, past)
 
 
-def _delayed_report(amax: torch.Tensor, s: Scaling) -> torch.Tensor:
-    """The report of a delayed cast that measured `amax` as it wrote."""
-    return report(amax, scale_from_amax(amax, s)[1])
-
-
 class _FP8RMSNorm(torch.autograd.Function):
     """RMSNorm(x)·w as FP8 (token, data, scale, report, and with `transpose` the data transposed); backward:
     models.llama's RMSNorm backward."""
@@ -102,11 +97,9 @@ class _FP8RMSNorm(torch.autograd.Function):
             # the rows' rstd; a one-pass kernel over whole rows took 124 us against these two passes' 103 on an
             # H100 at 16384 x 2048: BENCHMARKS.md)
             amax, rstd = ops.rmsnorm_amax(x2, weight, eps)
+            scale, rep = _cast_report(amax, s)
             if s.strategy == "delayed":
                 scale = _delayed_scale(past, warming, s, amax)
-                rep = _delayed_report(amax, s)
-            else:
-                scale, rep = _cast_report(amax, s)
             data = ops.rmsnorm_cast_t(x2, weight, rstd, scale, e5m2) if transpose else \
                 ops.rmsnorm_cast(x2, weight, eps, scale, e5m2, rstd)[:1]
         ctx.codec, ctx.x_dtype = codec, x.dtype
@@ -138,8 +131,8 @@ class _FP8SiluMul(torch.autograd.Function):
                 scale, rep = _cast_report(ops.swiglu_amax(a2, b2), s)
             *data, amax = ops.swiglu_cast_t(a2, b2, scale, e5m2, delayed) if transpose else \
                 ops.swiglu_cast(a2, b2, scale, e5m2, delayed)
-            if delayed:
-                rep = _delayed_report(amax, s)
+            if delayed:  # the report of the amax it measured as it wrote
+                rep = _cast_report(amax, s)[1]
         ctx.codec, ctx.dtypes = codec, (a.dtype, b.dtype)
         pa, pb = (codec.pack(a), codec.pack(b)) if codec else ((a,), (b,))
         ctx.n_a = len(pa)
