@@ -39,7 +39,7 @@ from lowbit.optim import update_kernel
 from lowbit.optim.graphs import Graphed, key_of
 from lowbit.optim.precision import KINDS, StatePrecision, decode, encode, pow2_scale, stochastic_round, store
 from lowbit.optim.scaled_weight import ScaledFP16Weight
-from lowbit.optim.state_bounds import bound_scales, scaled_states, stored_amaxes
+from lowbit.optim.state_bounds import bound_scales, exact_states, merged, scaled_states, stored_amaxes
 
 _STATES = ("exp_avg", "exp_avg_sq", "master")
 CHUNK = 8  # tensors per compiled call (update, gradient store): few calls, yet graphs that compile in seconds
@@ -206,10 +206,11 @@ def _pieces(tensors, span: int | None) -> list:
 
 
 def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = False):
-    """Pass one of the update (MS-AMP's first stage): the amax of each scaled state's new value, nothing written.
-    Returns (amaxes or None, pass one's values when `keep` and the tensor was one piece)."""
+    """Pass one of the update (MS-AMP's first stage): the amax of the new value of each state whose scale comes
+    from it (exact_states), nothing written. Returns (amaxes or None, pass one's values when `keep` and the tensor
+    was one piece)."""
     p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias, _ = item
-    scaled = scaled_states(kinds, m_scale, v_scale, master_scale)
+    scaled = exact_states(kinds, m_scale, v_scale, master_scale)
     if not scaled:
         return None, None
     pieces = _pieces((p, g, m, v, master), span)
@@ -225,8 +226,8 @@ def _amaxes(item: tuple, lr, beta1, beta2, eps, kinds, span=None, keep: bool = F
 
 
 def _new_scales(item: tuple, kinds, amax):
-    """The scales the new amaxes give the scaled states (stacked in _scaled's order), or None."""
-    scaled = scaled_states(kinds, item[5], item[7], item[9])
+    """The scales the new amaxes give the states that take theirs from one (in exact_states' order), or None."""
+    scaled = exact_states(kinds, item[5], item[7], item[9])
     return torch.stack([pow2_scale(amax[i], KINDS[k][2], s) for i, (_, k, s) in enumerate(scaled)]) \
         if scaled else None
 
@@ -286,14 +287,13 @@ def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> 
     memory (amaxes, then the writes), so no fp32 copy of a state is kept; a CPU walks each tensor in slices of
     `span` elements (its temporaries stay in cache). A tensor in one piece keeps pass one's values for pass two.
     A CPU compiles it as one graph for large tensors (see LowbitAdamW._compiles)."""
-    if kinds[5] == "bound":  # one pass: the scales from bounds, the written states' amaxes recorded
-        for item, new in zip(items, bound_scales(items, lr, beta1, beta2, kinds)):
-            _write(item, lr, beta1, beta2, eps, kinds, new, span, record=True)
-        return
     keep = not torch.compiler.is_compiling()  # compiled (a CPU's one graph), recomputing costs less than storing
-    for item in items:
-        amax, kept = _amaxes(item, lr, beta1, beta2, eps, kinds, span, keep=keep)
-        _write(item, lr, beta1, beta2, eps, kinds, _new_scales(item, kinds, amax), span, kept)
+    bounded = kinds[5] != "amax"  # bound or mixed: scales from bounds, the written states' amaxes recorded
+    for item, b in zip(items, bound_scales(items, lr, beta1, beta2, kinds) if bounded else [None] * len(items)):
+        amax, kept = _amaxes(item, lr, beta1, beta2, eps, kinds, span, keep=keep) if kinds[5] != "bound" \
+            else (None, None)  # bound: no pass before the writes
+        new = merged(item, kinds, _new_scales(item, kinds, amax), b)
+        _write(item, lr, beta1, beta2, eps, kinds, new, span, kept, record=bounded)
 
 
 def _amaxes_all(items: list[tuple], lr, beta1, beta2, eps, kinds) -> list:
@@ -311,14 +311,18 @@ def _write_all(items: list[tuple], lr, beta1, beta2, eps, kinds, scales) -> None
 
 
 def _update_compiled(amaxes_fn, write_fn, record_fn):
-    """The update as the two compiled passes; with bounded scales, the writes and then the reductions that record
-    the written states' amaxes (in one graph with the writes, inductor ran each tensor's on one block of threads)."""
+    """The update as the two compiled passes (mixed scales: pass one for the FP8 states only); with bounded or
+    mixed scales, then the reductions that record the written states' amaxes (in one graph with the writes,
+    inductor ran each tensor's on one block of threads)."""
     def update(items, lr, beta1, beta2, eps, kinds, span=None):
-        if kinds[5] == "bound":
-            write_fn(items, lr, beta1, beta2, eps, kinds, bound_scales(items, lr, beta1, beta2, kinds))
-            record_fn(items, kinds)
-        else:
-            write_fn(items, lr, beta1, beta2, eps, kinds, amaxes_fn(items, lr, beta1, beta2, eps, kinds))
+        exact = amaxes_fn(items, lr, beta1, beta2, eps, kinds) if kinds[5] != "bound" else [None] * len(items)
+        if kinds[5] == "amax":
+            write_fn(items, lr, beta1, beta2, eps, kinds, exact)
+            return
+        bounded = bound_scales(items, lr, beta1, beta2, kinds)
+        write_fn(items, lr, beta1, beta2, eps, kinds, [merged(it, kinds, e, b) for it, e, b in
+                                                        zip(items, exact, bounded)])
+        record_fn(items, kinds)
     return update
 
 
@@ -603,7 +607,7 @@ class LowbitAdamW(torch.optim.Optimizer):
             bias = _bias(st["step"], beta1, beta2) if device.type == "cpu" else None
             item = (w, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
                     *master, st["step"], wd, bias)
-            if kinds[5] == "bound" and p not in self._amax:
+            if kinds[5] != "amax" and p not in self._amax:
                 self._amax[p] = stored_amaxes(kinds, *item[4:10])
             items.append(item + (self._amax.get(p, none),))
         return items

@@ -35,7 +35,7 @@ ALLOWED = {
     "exp_avg": ("fp32", "bf16", "e4m3"),
     "exp_avg_sq": ("fp32", "bf16", "fp16", "e4m3", "e5m2"),
     "rounding": ("nearest", "stochastic"),
-    "scales": ("amax", "bound"),
+    "scales": ("amax", "bound", "mixed"),
 }
 STORED = ("weights", "master", "grads", "exp_avg", "exp_avg_sq")  # the fields that name a storage kind
 # kind -> (smallest normal exponent, mantissa bits): the grid stochastic rounding rounds onto. bf16's exponent
@@ -53,8 +53,10 @@ class StatePrecision:
     gradient is kept in between backward and the step. rounding: how the update writes the states it keeps
     (exp_avg, exp_avg_sq, master, and bf16 or fp16 weights that are their own master), nearest or stochastic;
     gradients, and weights written from a master, always round to nearest. scales: how a scaled state's new scale
-    is chosen: from its new amax (`amax`, MS-AMP's two stages: two passes over memory), or from a bound of it that
-    the last step's amaxes and the gradient's scale give (`bound`: one pass; see adamw.bounds)."""
+    is chosen: from its new amax (`amax`, MS-AMP's two stages: two passes over memory), from a bound of it that
+    the last step's amaxes and the gradient's scale give (`bound`: one pass; see state_bounds), or from the amax
+    for the FP8 states and the bound for the FP16 ones (`mixed`: the amax pass reads the gradient and first
+    moment only)."""
 
     weights: str = "fp32"
     master: str = "none"

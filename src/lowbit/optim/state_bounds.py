@@ -6,7 +6,13 @@ to keep the new values inside the format's range, and a bound of the new amax gi
 amax each state had when it was last written (recorded as it is written), the gradient's scale and the step's
 hyper-parameters (`bounds`). The bound's scale is never above the amax's, at most a power of two or two below it
 in practice: FP16 states keep the same values (their range is 2^40), E4M3 ones lose at most the bottom binade or
-two of their range to subnormals. `optim.scales = bound` selects it; docs/numerics.md compares the two.
+two of their range to subnormals. `optim.scales = bound` selects it; docs/numerics.md compares them.
+
+`optim.scales = mixed` keeps the amax's scale for the FP8 states, whose range is short (E4M3: 2^-9..2^8.5), and
+the bound's for the FP16 ones, whose stored values a power of two or two of scale leaves as they are unless they
+sit among FP16's subnormals, 2^24 and more below the state's largest. Under fp8lm-o2 (E4M3 gradient and first
+moment, FP16 second moment and weights) its amax pass reads 2 bytes per parameter where MS-AMP's reads 6: the
+first moment's new value needs only the gradient and the old moment.
 """
 
 from __future__ import annotations
@@ -23,6 +29,26 @@ def scaled_states(kinds, m_scale, v_scale, master_scale) -> list[tuple[str, str,
     k_m, k_v, k_master = kinds[:3]
     return [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
             if k != "none" and KINDS[k][1]]
+
+
+def from_amax(kind: str, scales: str) -> bool:
+    """Whether a scaled state of `kind` takes its new scale from its new amax under `optim.scales`."""
+    return scales == "amax" or (scales == "mixed" and KINDS[kind][0].itemsize == 1)
+
+
+def exact_states(kinds, m_scale, v_scale, master_scale) -> list[tuple[str, str, torch.Tensor]]:
+    """scaled_states' states whose new scale comes from their new amax (an amax pass before the writes)."""
+    return [s for s in scaled_states(kinds, m_scale, v_scale, master_scale) if from_amax(s[1], kinds[5])]
+
+
+def merged(item: tuple, kinds, exact, bounded):
+    """An item's new scales in scaled_states' order: `exact` (the amaxes' scales, in exact_states' order) for the
+    states that take theirs from an amax, `bounded` (bound_scales') for the others; None without scaled states."""
+    names = [n for n, _, _ in scaled_states(kinds, *item[5:10:2])]
+    if not names or kinds[5] != "mixed":
+        return exact if kinds[5] == "amax" else bounded
+    ex = [n for n, _, _ in exact_states(kinds, *item[5:10:2])]
+    return torch.stack([exact[ex.index(n)] if n in ex else bounded[i] for i, n in enumerate(names)])
 
 
 def bounds(amax, g_bound, step, lr, wd, beta1: float, beta2: float) -> torch.Tensor:

@@ -5,7 +5,10 @@ states in fp32 and reduces their amaxes into a small buffer by atomic max: no st
 weights are not read. Pass two computes the same states again, takes each scaled state's new power-of-two scale
 from its amax (precision.pow2_scale, done on the float's bits, so exactly) and writes the states once; it walks the
 tensor from its end, where pass one read last, so what L2 still holds is read from there. The scales and step
-counters of a chunk of tensors are then written by two multi-tensor ops.
+counters of a chunk of tensors are then written by two multi-tensor ops. Bounded scales (optim.scales=bound)
+write in one pass (`_once_kernel`) with scales from state_bounds; mixed ones run pass one for the FP8 states
+alone (under fp8lm-o2 the first moment: it reads the gradient and the old moment, 2 of the 6 bytes per
+parameter) before that kernel.
 
 Written here rather than left to torch.compile: inductor splits the amax reductions into two kernels and its
 elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at `7b` in 71 ms, these kernels in 55 ms
@@ -31,7 +34,7 @@ import torch
 
 from lowbit.numerics.kernels import ENABLED as KERNELS, triton
 from lowbit.optim.precision import KINDS
-from lowbit.optim.state_bounds import bound_table
+from lowbit.optim.state_bounds import bound_table, from_amax
 
 ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program (pass one), warps per program
@@ -54,14 +57,19 @@ if triton is not None:
         return tl.math.div_rn(1.0, tl.load(scale_ptr))
 
     @triton.jit
+    def _first(g_ptr, m_ptr, offs, mask, ig, im, w1, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr):
+        """The gradient and the new first moment: all the other states' amaxes need, all mixed scales' pass reads."""
+        g = _load(g_ptr, offs, mask, ig, G_SCALED)
+        m = _load(m_ptr, offs, mask, im, M_SCALED)
+        return g, m + w1 * (g - m)
+
+    @triton.jit
     def _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2,
                eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
                W_SCALED: tl.constexpr, FAST: tl.constexpr):
         """adamw._fresh: the new moments and weights in fp32 (lerp with weight < 0.5 as torch computes it).
         ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
-        g = _load(g_ptr, offs, mask, ig, G_SCALED)
-        m = _load(m_ptr, offs, mask, im, M_SCALED)
-        m = m + w1 * (g - m)
+        g, m = _first(g_ptr, m_ptr, offs, mask, ig, im, w1, G_SCALED, M_SCALED)
         v = _load(v_ptr, offs, mask, iv, V_SCALED) * beta2
         v = v + (w2 * g) * g
         w = _load(w_ptr, offs, mask, iw, W_SCALED) * (1.0 - lr * wd)
@@ -88,8 +96,10 @@ if triton is not None:
     @triton.jit
     def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
-                     V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                     FAST: tl.constexpr):
+                     V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
+                     AMAX_W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
+        """Pass one: the amaxes of the new states AMAX_* names into buf[0:3]; the first moment's alone reads only
+        the gradient and the old moment."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
@@ -98,15 +108,22 @@ if triton is not None:
         for i in range(ITERS):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1,
-                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
-            am = tl.maximum(am, _abs(m, mask))
-            av = tl.maximum(av, _abs(v, mask))
-            if W_SCALED:
-                aw = tl.maximum(aw, _abs(w, mask))
-        tl.atomic_max(buf_ptr, tl.max(am, axis=0))
-        tl.atomic_max(buf_ptr + 1, tl.max(av, axis=0))
-        if W_SCALED:
+            if AMAX_V or AMAX_W:
+                m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2,
+                                 w1, beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
+                if AMAX_V:
+                    av = tl.maximum(av, _abs(v, mask))
+                if AMAX_W:
+                    aw = tl.maximum(aw, _abs(w, mask))
+            else:
+                _, m = _first(g_ptr, m_ptr, offs, mask, ig, im, w1, G_SCALED, M_SCALED)
+            if AMAX_M:
+                am = tl.maximum(am, _abs(m, mask))
+        if AMAX_M:
+            tl.atomic_max(buf_ptr, tl.max(am, axis=0))
+        if AMAX_V:
+            tl.atomic_max(buf_ptr + 1, tl.max(av, axis=0))
+        if AMAX_W:
             tl.atomic_max(buf_ptr + 2, tl.max(aw, axis=0))
 
     @triton.jit
@@ -184,16 +201,32 @@ if triton is not None:
     def _once_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
                      W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr, W_MAX: tl.constexpr,
-                     WRITE_P: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
-        """The update in one pass (bounded scales): the states written with the scales at new_ptr (m, v, w), the
-        amaxes of what is written reduced into buf[8:11] by atomic max."""
+                     WRITE_P: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr, AMAX_W: tl.constexpr,
+                     BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
+        """The writes of bounded and mixed scales: the states written with the scales at new_ptr (m, v, w), or for
+        a state AMAX_* names, the scale of its amax that _amax_kernel left in buf (kept at buf[4:7]); the amaxes
+        of what is written reduced into buf[8:11] by atomic max. After a pass one it walks from the end, where
+        that pass read last."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         nm, nv, nw = tl.load(new_ptr), tl.load(new_ptr + 1), tl.load(new_ptr + 2)
-        inm, inv, inw = _inverse(new_ptr), _inverse(new_ptr + 1), _inverse(new_ptr + 2)
+        if AMAX_M:
+            nm = _pow2(tl.load(buf_ptr), tl.load(ms_ptr), M_MAX)
+        if AMAX_V:
+            nv = _pow2(tl.load(buf_ptr + 1), tl.load(vs_ptr), V_MAX)
+        if AMAX_W:
+            nw = _pow2(tl.load(buf_ptr + 2), tl.load(ws_ptr), W_MAX)
+        inm, inv, inw = tl.math.div_rn(1.0, nm), tl.math.div_rn(1.0, nv), tl.math.div_rn(1.0, nw)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
-        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+        pid = tl.program_id(0)
+        if AMAX_M or AMAX_V or AMAX_W:
+            if pid == 0:
+                tl.store(buf_ptr + 4, nm)
+                tl.store(buf_ptr + 5, nv)
+                tl.store(buf_ptr + 6, nw)
+            pid = tl.num_programs(0) - 1 - pid
+        base = pid.to(tl.int64) * BLOCK * ITERS
         for i in range(ITERS):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
@@ -243,10 +276,12 @@ def _prepare(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, k
 
 def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps: float, kinds) -> None:
     """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place: two
-    kernels per tensor, or one where the scales are bounded (kinds[5] == "bound")."""
+    kernels per tensor (amax scales: `_two_passes`; mixed: the FP8 states' amaxes, then `_once_kernel`), or one
+    where the scales are bounded (kinds[5] == "bound")."""
     flags, maxes, buf = _prepare(items, lr, beta1, beta2, kinds)
-    once = kinds[5] == "bound"
+    once = kinds[5] != "amax"
     table = bound_table(items, lr, beta1, beta2, kinds) if once else None
+    exact = {f"AMAX_{n}": flags[f"{n}_SCALED"] and from_amax(k, kinds[5]) for n, k in zip("MVW", kinds[:3])}
     from_master, own = kinds[2] != "none", kinds[4]
     coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
     scales, news, steps = [], [], []
@@ -256,7 +291,9 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
             args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i])
             consts = dict(G_SCALED=_scaled(g_kind), **flags, **maxes, WRITE_P=from_master and not own)
             if once:
-                _once_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, table[i], n, wd, **coef, **consts,
+                if any(exact.values()):
+                    _pass_one(args, n, wd, coef, consts, exact)
+                _once_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, table[i], n, wd, **coef, **consts, **exact,
                                                                BLOCK=BLOCK, ITERS=ITERS, FAST=FAST,
                                                                num_warps=WARPS)
             else:
@@ -264,7 +301,7 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
             for j, (name, s) in enumerate((("m", ms), ("v", vs), ("w", ws))):
                 if flags[f"{name.upper()}_SCALED"]:
                     scales.append(s)
-                    news.append(table[i, j] if once else buf[i, 4 + j])
+                    news.append(table[i, j] if once and not exact[f"AMAX_{name.upper()}"] else buf[i, 4 + j])
             steps.append(step)
     if scales:
         torch._foreach_copy_(scales, news)
@@ -273,13 +310,20 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
     torch._foreach_add_(steps, 1)
 
 
+def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict) -> None:
+    """The amaxes of the new states `amax` names (AMAX_M, AMAX_V, AMAX_W) into the item's buffer."""
+    g, m, v, w, p, *scale_args = args
+    flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED")}
+    _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](g, m, v, w, *scale_args, n, wd, **coef, **flags, **amax,
+                                                   BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, num_warps=WARPS)
+
+
 def _two_passes(args, n: int, wd: float, coef: dict, consts: dict) -> None:
     """MS-AMP's two stages for one tensor: the amaxes (where a state is scaled), then the writes."""
     g, m, v, w, p, *scale_args = args
-    if consts["M_SCALED"] or consts["V_SCALED"] or consts["W_SCALED"]:
-        pass_one = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED")}
-        _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](g, m, v, w, *scale_args, n, wd, **coef, **pass_one,
-                                                       BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, num_warps=WARPS)
+    amax = {f"AMAX_{c}": consts[f"{c}_SCALED"] for c in "MVW"}
+    if any(amax.values()):
+        _pass_one(args, n, wd, coef, consts, amax)
     _write_kernel[(triton.cdiv(n, BLOCK),)](g, m, v, w, p, *scale_args, n, wd, **coef, **consts, BLOCK=BLOCK,
                                             FAST=FAST, num_warps=WARPS)
 

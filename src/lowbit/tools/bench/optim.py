@@ -111,6 +111,7 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                    "read and write at the recipe's storage, averaged over covered and fp32 parameters"
                    + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
                    + ". The lowbit update reads its inputs twice (amaxes, then the writes), once with "
-                   "optim.scales=bound; (compiled): its passes by torch.compile, (Triton): "
+                   "optim.scales=bound, and with optim.scales=mixed the FP8 gradient and first moment twice "
+                   "(their amax pass), the rest once; (compiled): its passes by torch.compile, (Triton): "
                    "src/lowbit/optim/update_kernel.py's kernels.")
     report.save(complete=False)
