@@ -875,3 +875,56 @@ def test_fp8_attention_kernel_matches_its_emulation_and_bf16_attention_on_gpu(L,
     out16, lse16 = torch.ops.lowbit.fp8_attention(q, k, v, sm)
     for a, b in zip(grads, A.math_backward(g, qd, kd, vd, out16, lse16, sm)):
         assert snr(b, a) > 35  # flash's bf16 backward against fp32 math
+
+
+@pytest.mark.parametrize("scales", ["bound", "mixed"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bounded_and_mixed_scales_step_as_amax_scales_do_over_steps_on_gpu(scales, graphs):
+    """fp8lm-o2's storage, `scales` against MS-AMP's amax scales on the GPU path (Triton kernels, CUDA graphs
+    replayed or not), each step from the same states copied in place (a gradient spike at step 6): a state whose
+    scale comes from an amax has the amax run's scale; the others' scales are at most that; every stored value
+    decodes to the amax run's, or its neighbour where the two kernels round an fp32 product apart, wherever it is
+    a normal number at the lower scale."""
+    from lowbit.optim import LowbitAdamW, StatePrecision
+    from lowbit.optim.precision import decode
+    from lowbit.optim.state_bounds import stored_amaxes
+
+    prec = StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+    kinds = ("e4m3", "fp16", "fp16", "nearest", True, scales)
+    torch.manual_seed(0)
+    shapes = ((768, 3072), (3072, 768))
+    ref = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in ref]
+    opts = [LowbitAdamW(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, precision=pr, cuda_graphs=graphs)
+            for ps, pr in ((ref, prec), (twin, StatePrecision(**{**prec.__dict__, "scales": scales})))]
+    g = torch.Generator(device="cuda").manual_seed(1)
+    names = ("exp_avg", "exp_avg_sq")
+    for step in range(12):
+        if step:  # the twin starts from the amax run's states, in place (a graph's addresses stay)
+            for p, q in zip(ref, twin):
+                a, b = opts[0].state[p], opts[1].state[q]
+                for k in names + ("exp_avg_scale", "exp_avg_sq_scale", "step"):
+                    b[k].copy_(a[k])
+                q._data.copy_(p._data), q._scale.copy_(p._scale)
+                opts[1]._amax[q].copy_(stored_amaxes(kinds, b["exp_avg"], b["exp_avg_scale"], b["exp_avg_sq"],
+                                                     b["exp_avg_sq_scale"], q._data, q._scale))
+        grads = [torch.randn(s, device="cuda", generator=g) * (30 if step == 6 else 1) for s in shapes]
+        for opt, ps in zip(opts, (ref, twin)):
+            sum((p.float() * gr).sum() for p, gr in zip(ps, grads)).backward()
+            opt.step()
+            opt.zero_grad()
+        for p, q in zip(ref, twin):
+            a, b = opts[0].state[p], opts[1].state[q]
+            for (x, xs, kind), (y, ys, _) in (((a["exp_avg"], a["exp_avg_scale"], "e4m3"),
+                                               (b["exp_avg"], b["exp_avg_scale"], "e4m3")),
+                                              ((a["exp_avg_sq"], a["exp_avg_sq_scale"], "fp16"),
+                                               (b["exp_avg_sq"], b["exp_avg_sq_scale"], "fp16")),
+                                              ((p._data, p._scale, "fp16"), (q._data, q._scale, "fp16"))):
+                if kind == "e4m3" and scales == "mixed":
+                    assert torch.equal(xs, ys), (step, xs, ys)
+                assert ys <= xs, (step, kind, xs, ys)
+                normal = y.float().abs() >= (2 ** -6 if kind == "e4m3" else 2 ** -14)
+                dx, dy = decode(x, kind, xs)[normal], decode(y, kind, ys)[normal]
+                rel = (dx - dy).abs() / dx.abs().clamp_min(1e-30)
+                assert rel.max().item() <= (2 ** -3 if kind == "e4m3" else 2 ** -10), (step, kind, rel.max().item())
+                assert (dx != dy).float().mean().item() < 1e-3, (step, kind, (dx != dy).float().mean().item())
