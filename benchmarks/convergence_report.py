@@ -124,6 +124,7 @@ def _both(label, result: str, name: str) -> tuple:
 FP8LM, MOM, SCALE, KFL = (T3 + x for x in ("fp8lm-o2_knobs.json", "fp8lm-o2_moment_master.json", "scaling_knobs.json",
                                            "keep_first_last_bf16_moments.json"))
 FP16W = "fp8lm-o2_fp16_weights_h200/convergence.json"
+MIXED = "fp8lm-o2_mixed_scales_h100/convergence.json"
 # The knob tables: (header, rows); a row is (label cells, [(result, run, "train" | "val", step or None)...]).
 KNOBS = {
     "scaling": (["run", "train 705–768", "val 768"], [
@@ -150,6 +151,10 @@ KNOBS = {
                "6"), FP16W, "fp8lm-o2+optim.weights=fp16"),
         _both(("+ `optim.scales=bound` (the update in one pass; on an H100, beside a bf16 run there)", "6"),
               "fp8lm-o2_bound_scales_h100/convergence.json", "fp8lm-o2+optim.scales=bound"),
+        _both(("fp8lm-o2 on that H100, against that bf16 run (two runs at once, the next row beside it)", "6"),
+              MIXED, "fp8lm-o2"),
+        _both(("+ `optim.scales=mixed` (the first moment's scale from its amax, the FP16 states' from bounds)", "6"),
+              MIXED, "fp8lm-o2+optim.scales=mixed"),
         _both(("fp8lm-o2, compiled whole (a second run)", "6"), MOM, "fp8lm-o2"),
         _both(("+ `optim.rounding=stochastic`", "6"), FP8LM, "fp8lm-o2+optim.rounding=stochastic"),
         _both(("+ `optim.grads=bf16`", "7"), FP8LM, "fp8lm-o2+optim.grads=bf16"),
