@@ -190,7 +190,8 @@ def test_compare_reports_the_stuck_optimizer_moments(tmp_path):
     from lowbit.tools.compare import read_run, table
 
     m = {"kind": "e4m3", "zero_pct": 10.0, "stuck_pct": 3.14, "worst": "layers.0.w1", "worst_stuck_pct": 9.0}
-    states = {"exp_avg": m, "exp_avg_sq": {**m, "kind": "e5m2", "stuck_pct": 97.0, "m_nonzero_v_zero_pct": 1.0}}
+    states = {"exp_avg": m, "exp_avg_sq": {**m, "kind": "e5m2", "stuck_pct": 97.0, "m_nonzero_v_zero_pct": 1.0,
+                                           "subnormal_pct": 0.25}}
     records = [{"step": 1, "loss": 5.0}, {"step": 3, "optim_states": {"exp_avg": m}}, {"step": 3, "loss": 4.0},
                {"step": 6, "optim_states": states}, {"step": 6, "loss": 3.0}]
     runs = []
@@ -202,8 +203,8 @@ def test_compare_reports_the_stuck_optimizer_moments(tmp_path):
     assert runs[0]["moments"] == states and runs[0]["moments_step"] == 6 and runs[0]["steps"] == 6  # the last
     assert runs[1]["moments"] is None and runs[1]["moments_step"] is None
     text = table({"device": "cpu", "torch": "x", "date": "d", "command": "c", "baseline": "with", "runs": runs})
-    assert "moments (stuck % of non-zeros) |" in text and "leaves unchanged" in text
-    assert "| m e4m3 3.14%, v e5m2 97% |" in text and text.splitlines()[-1].endswith("| — | — | — |")
+    assert "moments (stuck / subnormal % of non-zeros) |" in text and "leaves unchanged" in text
+    assert "| m e4m3 3.14%, v e5m2 97% / 0.25% |" in text and text.splitlines()[-1].endswith("| — | — | — |")
 
 
 def test_a_run_dir_from_before_a_new_config_key_is_still_the_same_config():

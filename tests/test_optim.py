@@ -575,7 +575,7 @@ def test_state_telemetry_finds_moments_that_cannot_decay():
     assert fp32 == {}  # nothing stored in a scaled kind
     near = _telemetry_after(StatePrecision(exp_avg="e4m3", exp_avg_sq="e5m2"))
     assert set(near) == {"exp_avg", "exp_avg_sq"}
-    assert set(near["exp_avg"]) == {"kind", "zero_pct", "stuck_pct", "worst", "worst_stuck_pct"}
+    assert set(near["exp_avg"]) == {"kind", "zero_pct", "stuck_pct", "worst", "worst_stuck_pct", "subnormal_pct"}
     assert set(near["exp_avg_sq"]) == set(near["exp_avg"]) | {"m_nonzero_v_zero_pct"}
     v = near["exp_avg_sq"]
     assert v["kind"] == "e5m2" and v["stuck_pct"] == 100.0 and v["worst"] in ("w0", "w1", "w2")
@@ -586,6 +586,22 @@ def test_state_telemetry_finds_moments_that_cannot_decay():
     e4 = _telemetry_after(StatePrecision(exp_avg="e4m3", exp_avg_sq="e4m3"))
     assert e4["exp_avg_sq"]["m_nonzero_v_zero_pct"] > 0 and near["exp_avg_sq"]["m_nonzero_v_zero_pct"] == 0
     assert e4["exp_avg_sq"]["stuck_pct"] > 50  # at 0.95 some E4M3 mantissas can't decay either; v ratchets onto them
+    # E4M3's subnormals (under 2^-6 of 448's binade) hold more of the second moment's entries than FP16's do
+    o2 = _telemetry_after(StatePrecision(exp_avg="e4m3", exp_avg_sq="fp16"))
+    assert e4["exp_avg_sq"]["subnormal_pct"] > o2["exp_avg_sq"]["subnormal_pct"]
+
+
+def test_state_telemetry_counts_stored_subnormals():
+    """subnormal_pct: the non-zero stored entries under the format's smallest normal, exactly counted."""
+    p = torch.nn.Parameter(torch.zeros(4, 4))
+    opt = LowbitAdamW([p], precision=StatePrecision(exp_avg="e4m3", exp_avg_sq="fp16"))
+    p.grad = torch.ones(4, 4)
+    opt.step()
+    st = opt.state[p]
+    st["exp_avg"].copy_(torch.tensor([0.0, 2 ** -7, 2 ** -9, 2 ** -6] * 4).view(4, 4))  # two E4M3 subnormals
+    st["exp_avg_sq"].copy_(torch.tensor([2 ** -15, 2 ** -14, 1.0, 0.0] * 4).view(4, 4))  # one FP16 subnormal
+    out = opt.state_telemetry({p: "w"})
+    assert out["exp_avg"]["subnormal_pct"] == 100 * 2 / 3 and out["exp_avg_sq"]["subnormal_pct"] == 100 / 3
 
 
 def test_training_logs_optimizer_state_telemetry(tmp_path, capsys):

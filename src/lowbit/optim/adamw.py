@@ -628,9 +628,12 @@ class LowbitAdamW(torch.optim.Optimizer):
         moment's beta alone leaves unchanged (same scale), i.e. that cannot shrink: under round-to-nearest those
         whose decayed value rounds back to them (every E5M2 entry at beta 0.95); under stochastic rounding only
         those whose fp32 decay is no change, since any other rounds down with a positive probability.
-        worst / worst_stuck_pct: the tensor with the highest stuck_pct. exp_avg_sq adds m_nonzero_v_zero_pct:
-        entries with a non-zero first moment over a zero second moment, whose update is m / eps."""
-        rows: dict[str, list] = {}  # moment -> (kind, name, numel, counts: zero, non-zero, stuck, m!=0 & v==0)
+        worst / worst_stuck_pct: the tensor with the highest stuck_pct. subnormal_pct: of the non-zero ones, those
+        stored as subnormals of their format (fewer significant bits than the rest; a scale below the amax's puts
+        more there). exp_avg_sq adds m_nonzero_v_zero_pct: entries with a non-zero first moment over a zero second
+        moment, whose update is m / eps."""
+        rows: dict[str, list] = {}  # moment -> (kind, name, numel, counts: zero, non-zero, stuck, m!=0 & v==0,
+        # subnormal)
         for group in self.param_groups:
             prec = self.precision_of(group)
             for moment, beta in zip(("exp_avg", "exp_avg_sq"), group["betas"]):
@@ -647,7 +650,8 @@ class LowbitAdamW(torch.optim.Optimizer):
                     stuck = nonzero & (decayed == d)
                     m_only = (st["exp_avg"].float() != 0) & ~nonzero if moment == "exp_avg_sq" \
                         else torch.zeros_like(stuck)
-                    counts = [~nonzero, nonzero, stuck, m_only]
+                    subnormal = nonzero & (d.abs() < torch.finfo(KINDS[kind][0]).tiny)
+                    counts = [~nonzero, nonzero, stuck, m_only, subnormal]
                     rows.setdefault(moment, []).append(
                         (kind, names.get(p, f"param{len(rows.get(moment, ()))}"), d.numel(),
                          torch.stack([c.sum() for c in counts])))
@@ -663,7 +667,8 @@ class LowbitAdamW(torch.optim.Optimizer):
             n = sum(r[2] for r in rs)
             out[moment] = {"kind": "/".join(sorted({r[0] for r in rs})), "zero_pct": 100 * total[0] / max(n, 1),
                            "stuck_pct": 100 * total[2] / total[1] if total[1] else 0.0, "worst": rs[worst][1],
-                           "worst_stuck_pct": pct[worst]}
+                           "worst_stuck_pct": pct[worst],
+                           "subnormal_pct": 100 * total[4] / total[1] if total[1] else 0.0}
             if moment == "exp_avg_sq":
                 out[moment]["m_nonzero_v_zero_pct"] = 100 * total[3] / max(n, 1)
         return out

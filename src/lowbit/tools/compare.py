@@ -389,7 +389,10 @@ def _fmt(v, spec: str, unit: str = "") -> str:
 def _moments(moments: dict | None) -> str:
     if not moments:
         return "—"
-    return ", ".join(f"{MOMENTS.get(k, k)} {m['kind']} {m['stuck_pct']:.3g}%" for k, m in moments.items())
+    def cell(m):  # a run from before subnormal_pct has stuck % alone
+        sub = f" / {m['subnormal_pct']:.3g}%" if "subnormal_pct" in m else ""
+        return f"{m['kind']} {m['stuck_pct']:.3g}%{sub}"
+    return ", ".join(f"{MOMENTS.get(k, k)} {cell(m)}" for k, m in moments.items())
 
 
 def table(report: dict) -> str:
@@ -403,9 +406,9 @@ def table(report: dict) -> str:
              f"(% clamped at the format's max): the worst operand at the last telemetry step; moments: each "
              f"Adam moment stored in a scaled format (m exp_avg, v exp_avg_sq), its format and the % of its "
              f"non-zero stored entries that a decay by its beta alone leaves unchanged (under the run's "
-             f"rounding), at the last telemetry step", "",
+             f"rounding) / that are subnormals of the format, at the last telemetry step", "",
              f"| recipe | steps | train loss | val loss | train gap to {base} | val gap to {base} | tokens/s "
-             f"| worst underflow | worst saturation | moments (stuck % of non-zeros) |",
+             f"| worst underflow | worst saturation | moments (stuck / subnormal % of non-zeros) |",
              "|---|---:|---:|---:|---:|---:|---:|---|---|---|"]
     for r in report["runs"]:
         worst = ["—" if w is None else f"{w['pct']:.3g}% {w['operand'] or ''}".strip()
