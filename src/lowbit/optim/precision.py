@@ -183,18 +183,11 @@ def _fp8_bits_to_float(data: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float16).float() * 256.0
 
 
-# Inductor's CPU code converts FP8 with AVX-512 instructions where the CPU has them, and element by element where it
-# has not (decoding and reducing a 4096x11008 E4M3 tensor: 90 ms on AVX2 against 26 with AVX-512). There the
-# compiled update decodes by a 256-entry table instead (64 ms). An integer-field decode (the byte's fields moved into
-# an int32, bit-cast to fp32) ran faster still, but torch 2.13's inductor compiles that bit cast wrongly on AVX2
-# (every value NaN; with AVX-512, wrong values and heap corruption past a few thousand elements): no bit casts here.
-_TABLE_WHEN_COMPILED = not torch.backends.cpu.get_cpu_capability().startswith("AVX512")
-_TABLES = {dt: torch.arange(256, dtype=torch.uint8).view(dt).float() for dt in (torch.float8_e4m3fn, torch.float8_e5m2)}
-
-
-def _fp8_by_table(data: torch.Tensor) -> torch.Tensor:
-    """FP8 bytes to fp32 by looking each byte up in a table of the 256 values (NaN, Inf and -0 included)."""
-    return _TABLES[data.dtype][data.view(torch.uint8).long()]
+# Compiled, the CPU decodes FP8 by torch's cast, which inductor vectorizes with AVX-512 and converts element by
+# element without it. Two replacements lost on an AVX2 build of the update (ATEN_CPU_CAPABILITY=avx2, a 4096x11008
+# fp8lm-o2 update): a 256-entry table, 484-513 ms against the cast's 264-281 (its gather keeps the loop scalar), and
+# an integer-field decode bit-cast from int32, which torch 2.13's inductor compiled into NaN states
+# (tests/test_optim.py runs the compiled update under that setting).
 
 
 def decode(data: torch.Tensor, kind: str, scale: torch.Tensor) -> torch.Tensor:
@@ -205,8 +198,6 @@ def decode(data: torch.Tensor, kind: str, scale: torch.Tensor) -> torch.Tensor:
     compiled = torch.compiler.is_compiling()
     if fp8 and data.device.type == "cpu" and not compiled:
         x = _fp8_bits_to_float(data)
-    elif fp8 and data.device.type == "cpu" and _TABLE_WHEN_COMPILED:
-        x = _fp8_by_table(data)
     else:
         x = data.float()
     return x * scale.reciprocal() if KINDS[kind][1] else x
