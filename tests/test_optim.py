@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.numerics import kernels
 from lowbit.optim import AutoScale, LowbitAdamW, StatePrecision, fp8_sum, memory_report
 from lowbit.optim.precision import decode, encode
 from lowbit.optim.scaled_weight import ScaledFP16Weight
@@ -902,6 +903,7 @@ print("ok")
 """
 
 
+@pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
 def test_update_kernels_write_what_the_torch_update_writes_under_the_interpreter(tmp_path):
     """optim/update_kernel.py's kernels, every kind of scales (amax: two passes; bound: one; mixed: the first
     moment's amax pass, then the one-pass writes), one fp8lm-o2 and one fp8lm-o3 step under Triton's CPU
@@ -912,7 +914,6 @@ def test_update_kernels_write_what_the_torch_update_writes_under_the_interpreter
     import subprocess
     import sys
 
-    pytest.importorskip("triton")
     script = tmp_path / "check.py"  # a file: triton.jit reads its functions' source
     script.write_text(UPDATE_KERNEL_CHECK)
     env = {**os.environ, "TRITON_INTERPRET": "1"}

@@ -284,7 +284,8 @@ def _record_all(items: list[tuple], kinds) -> None:
 
 def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> None:
     """One AdamW step in fp32 on stored states (in place) for every tensor of a chunk, eagerly: two passes over
-    memory (amaxes, then the writes), so no fp32 copy of a state is kept; a CPU walks each tensor in slices of
+    memory (amaxes, then the writes; bounded scales the writes alone, mixed ones pass one for the FP8 states
+    only), so no fp32 copy of a state is kept; a CPU walks each tensor in slices of
     `span` elements (its temporaries stay in cache). A tensor in one piece keeps pass one's values for pass two.
     A CPU compiles it as one graph for large tensors (see LowbitAdamW._compiles)."""
     keep = not torch.compiler.is_compiling()  # compiled (a CPU's one graph), recomputing costs less than storing
