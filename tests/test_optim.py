@@ -2,6 +2,7 @@
 
 import copy
 import math
+import platform
 from dataclasses import replace
 
 import pytest
@@ -699,12 +700,13 @@ def test_the_update_in_slices_equals_the_whole_tensor_update():
 
 
 @pytest.mark.slow
-def test_compiled_update_on_the_cpu_matches_the_eager_slices():
+@pytest.mark.parametrize("scales", ["amax", "mixed"])
+def test_compiled_update_on_the_cpu_matches_the_eager_slices(scales):
     """Inductor's C++ update (two graphs: amaxes, then writes) against the eager update in slices: the states
     and weights agree to a rounding of their storage."""
     from lowbit.optim import adamw
 
-    prec = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+    prec = StatePrecision(weights="bf16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16", scales=scales)
     runs = []
     for compiled in (False, True):
         params = _params()
@@ -952,6 +954,7 @@ print("ok")
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="ATEN_CPU_CAPABILITY=avx2 is x86's")
 def test_compiled_update_on_an_avx2_cpu_matches_the_eager_update():
     """The compiled CPU update as inductor writes it for a CPU without AVX-512 (ATEN_CPU_CAPABILITY=avx2), against
     the eager update: finite, and the states a rounding apart. torch 2.13's inductor compiled an integer-field FP8

@@ -249,8 +249,8 @@ def _put(x, kind: str, scale, out, rounding: str, record: bool):
 
 def _write(item: tuple, lr, beta1, beta2, eps, kinds, scales, span=None, kept=None, record: bool = False) -> None:
     """Pass two (the second stage): the new states computed again (or `kept` from pass one) and written with
-    `scales` (_new_scales); the step counted. `record`: the amaxes of the scaled states written, into item[13]
-    (bounded scales: what the next step's bounds start from)."""
+    `scales` (each scaled state's, in scaled_states' order: `merged`); the step counted. `record`: the amaxes of
+    the scaled states written, into item[13] (bounded and mixed scales: what the next step's bounds start from)."""
     p, g, g_scale, g_kind, m, m_scale, v, v_scale, master, master_scale, step, wd, bias, _ = item
     k_m, k_v, k_master, rounding, own, _ = kinds
     scaled = scaled_states(kinds, m_scale, v_scale, master_scale)
@@ -299,7 +299,7 @@ def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> 
 
 def _amaxes_all(items: list[tuple], lr, beta1, beta2, eps, kinds) -> list:
     """Pass one for a chunk: one compiled graph of reductions only (split across the GPU), returning the new
-    scales, which pass two loads."""
+    scales of the states scaled from an amax (exact_states), which pass two loads."""
     return [_new_scales(item, kinds, _amaxes(item, lr, beta1, beta2, eps, kinds)[0]) for item in items]
 
 
@@ -384,7 +384,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         self._compile = compile
         self._compiled: dict[str, object] = {}
         self._placeholder: dict[torch.device, torch.Tensor] = {}
-        self._amax: dict[torch.Tensor, torch.Tensor] = {}  # bounded scales: each parameter's states' last amaxes
+        self._amax: dict[torch.Tensor, torch.Tensor] = {}  # bounded and mixed scales: each parameter's states' last amaxes
         self.cuda_graphs = cuda_graphs  # on a GPU: the update and the stored norms replayed (lowbit.optim.graphs)
         self._graphed: dict[tuple, Graphed] = {}  # (what, device) -> its graph
         self._lr: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -592,8 +592,8 @@ class LowbitAdamW(torch.optim.Optimizer):
 
     def _items(self, pairs, wd_of, device, beta1: float, beta2: float, kinds) -> list[tuple]:
         """The update's view of each (parameter, gradient): its stored gradient, moments and master (with their
-        scales), step, weight decay, a CPU's bias corrections and, with bounded scales, the record of its states'
-        last amaxes (measured from the states when there is none: a first step, a load)."""
+        scales), step, weight decay, a CPU's bias corrections and, with bounded or mixed scales, the record of its
+        states' last amaxes (measured from the states when there is none: a first step, a load)."""
         none = self._placeholder.setdefault(device, torch.ones((), device=device))  # for absent states
         own = kinds[4]
         items = []

@@ -55,8 +55,8 @@ class StatePrecision:
     gradients, and weights written from a master, always round to nearest. scales: how a scaled state's new scale
     is chosen: from its new amax (`amax`, MS-AMP's two stages: two passes over memory), from a bound of it that
     the last step's amaxes and the gradient's scale give (`bound`: one pass; see state_bounds), or from the amax
-    for the FP8 states and the bound for the FP16 ones (`mixed`: the amax pass reads the gradient and first
-    moment only)."""
+    for the FP8 states and the bound for the FP16 ones (`mixed`: the amax pass computes only the FP8 states; under
+    fp8lm-o2 it reads the gradient and first moment)."""
 
     weights: str = "fp32"
     master: str = "none"
@@ -185,7 +185,7 @@ def _fp8_bits_to_float(data: torch.Tensor) -> torch.Tensor:
 
 # Compiled, the CPU decodes FP8 by torch's cast, which inductor vectorizes with AVX-512 and converts element by
 # element without it. Two replacements lost on an AVX2 build of the update (ATEN_CPU_CAPABILITY=avx2, a 4096x11008
-# fp8lm-o2 update): a 256-entry table, 484-513 ms against the cast's 264-281 (its gather keeps the loop scalar), and
+# fp8lm-o2 update): a 256-entry table, 484-513 ms against the cast's 264-304 (its gather keeps the loop scalar), and
 # an integer-field decode bit-cast from int32, which torch 2.13's inductor compiled into NaN states
 # (tests/test_optim.py runs the compiled update under that setting).
 

@@ -10,7 +10,7 @@ two of their range to subnormals. `optim.scales = bound` selects it; docs/numeri
 
 `optim.scales = mixed` keeps the amax's scale for the FP8 states, whose range is short (E4M3: 2^-9..2^8.5), and
 the bound's for the FP16 ones, whose stored values a power of two or two of scale leaves as they are unless they
-sit among FP16's subnormals, 2^24 and more below the state's largest. Under fp8lm-o2 (E4M3 gradient and first
+sit among FP16's subnormals, about 2^28-2^30 below the state's largest. Under fp8lm-o2 (E4M3 gradient and first
 moment, FP16 second moment and weights) its amax pass reads 2 bytes per parameter where MS-AMP's reads 6: the
 first moment's new value needs only the gradient and the old moment.
 """
@@ -25,7 +25,8 @@ from lowbit.optim.precision import KINDS, decode, pow2_scale
 
 
 def scaled_states(kinds, m_scale, v_scale, master_scale) -> list[tuple[str, str, torch.Tensor]]:
-    """The states stored in scaled kinds, whose new scale comes from their new amax: (name, kind, scale)."""
+    """The states stored in scaled kinds, (name, kind, scale) in m, v, w order; `exact_states` are those whose new
+    scale comes from their new amax."""
     k_m, k_v, k_master = kinds[:3]
     return [(n, k, s) for n, k, s in (("m", k_m, m_scale), ("v", k_v, v_scale), ("w", k_master, master_scale))
             if k != "none" and KINDS[k][1]]

@@ -263,7 +263,8 @@ def supported(items: list[tuple], kinds) -> bool:
 
 def _prepare(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, kinds):
     """The per-call constants of a chunk: the kernels' flags and ranges, and a buffer per item (amaxes, then the
-    bias corrections adamw._bias computes at [3] and [7], the new scales at [4:7], bounded amaxes at [8:11])."""
+    bias corrections adamw._bias computes at [3] and [7], the new scales at [4:7], the written states' amaxes at
+    [8:11] under bounded and mixed scales; [11] unused)."""
     k_m, k_v, k_master = kinds[:3]
     from_master = k_master != "none"
     flags = dict(M_SCALED=_scaled(k_m), V_SCALED=_scaled(k_v), W_SCALED=_scaled(k_master))

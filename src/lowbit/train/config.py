@@ -141,8 +141,8 @@ class OptimConfig:
     scales: str = opt("", "how the scaled states' new per-tensor scales are chosen: amax (of the new values: two "
                           "passes over memory, MS-AMP's) | bound (from a bound of the new amax by the last step's "
                           "amaxes and the gradient's scale: one pass) | mixed (amax for the FP8 states, bound for "
-                          "the FP16 ones: the amax pass reads the gradient and first moment only); empty: the "
-                          "recipe's (amax)")
+                          "the FP16 ones: the amax pass computes the FP8 states only, under fp8lm-o2 from the "
+                          "gradient and first moment); empty: the recipe's (amax)")
     cuda_graphs: bool = opt(True, "on a GPU, replay the optimizer's update and gradient-norm kernels as CUDA graphs "
                                   "(one launch per step instead of ~40 compiled calls; the same numbers)")
 
