@@ -1,9 +1,9 @@
 """The Triton optimizer update's launch shape and math, swept on a preset's parameters (a GPU).
 
 For each recipe, LowbitAdamW is built once as `lowbit bench optim` builds it; then each configuration of
-src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, approximate sqrt and division in
-the weight's step) times `step()` alone and ten steps back to back (the kernels' time when the host launches
-ahead). GB/s counts the bytes the update must move (bench optim's `update_bytes`). The configuration the library
+src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, blocks in flight through Triton's
+pipeliner, approximate sqrt and division in the weight's step) times `step()` alone and ten steps back to back
+(the kernels' time when the host launches ahead). GB/s counts the bytes the update must move (bench optim's `update_bytes`). The configuration the library
 ships is the first row of each recipe (the note under the table names it).
 
     python benchmarks/optim_kernel_sweep.py --preset 7b --out benchmarks/results/optim_kernel_sweep_7b_h100.json
@@ -13,7 +13,6 @@ ships is the first row of each recipe (the note under the table names it).
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import time
 
@@ -26,7 +25,11 @@ from lowbit.tools.bench.layers import preset_args
 from lowbit.tools.bench.optim import fill_grads, update_bytes
 from lowbit.tools.bench.step import build
 
-SHAPES = [(2048, 8, 8), (1024, 16, 4), (4096, 4, 8), (1024, 8, 4), (4096, 8, 16), (2048, 16, 8)]
+# (elements per load, loads per program, warps, stages, approximate math): 8 or 4 elements per thread, pipelined
+CONFIGS = [(2048, 8, 8, 1, False), (2048, 8, 8, 1, True), (2048, 8, 8, 2, True), (2048, 8, 8, 3, True),
+           (2048, 16, 8, 3, True), (1024, 16, 4, 3, True), (1024, 16, 8, 1, True), (1024, 16, 8, 3, True),
+           (512, 32, 4, 3, True), (4096, 8, 16, 3, True), (1024, 8, 4, 2, True)]
+KNOBS = ("BLOCK", "ITERS", "WARPS", "STAGES", "FAST")
 
 
 def moved_bytes(opt) -> int:
@@ -39,25 +42,27 @@ def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
     model, opt = build(preset_args(preset, 2048), v, torch.device("cuda"))
     fill_grads(opt)
     moved, rows = moved_bytes(opt), []
-    default = (update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST)
-    configs = [default] + [(*s, f) for s, f in itertools.product(SHAPES, (False, True)) if (*s, f) != default]
+    default = tuple(getattr(update_kernel, k) for k in KNOBS)
+    configs = [default] + [c for c in CONFIGS if c != default]
     with update_kernel.forced(True):
-        for block, iters, warps, fast in configs:
-            update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST = \
-                block, iters, warps, fast
+        for config in configs:
+            for k, value in zip(KNOBS, config):
+                setattr(update_kernel, k, value)
+            block, iters, warps, stages, fast = config
             opt._graphed.clear()  # the update's CUDA graph holds the kernels it captured: capture this config's
             t0 = time.perf_counter()
             opt.step()
             first = time.perf_counter() - t0
             alone = time_ms(opt.step, torch.device("cuda"), 5, 1)["ms"]
-            row = dict(recipe=recipe, block=block, iters=iters, warps=warps, fast=fast, ms=alone,
+            row = dict(recipe=recipe, block=block, iters=iters, warps=warps, stages=stages, fast=fast, ms=alone,
                        ms_back_to_back=back_to_back_ms(opt.step, torch.device("cuda"), 10), first_step_s=first)
             row["gb_per_s"] = moved / (row["ms_back_to_back"] / 1e3) / 1e9
             if hbm:
                 row["hbm_pct"] = 100 * row["gb_per_s"] * 1e9 / hbm
             rows.append(row)
             print(json.dumps(row), flush=True)
-    update_kernel.BLOCK, update_kernel.ITERS, update_kernel.WARPS, update_kernel.FAST = default
+    for k, value in zip(KNOBS, default):
+        setattr(update_kernel, k, value)
     model = opt = None
     release(torch.device("cuda"))
     return rows
@@ -68,22 +73,24 @@ def math(fast: bool) -> str:
 
 
 def cells(r: dict) -> dict:
-    shape = f"{r['block']} x {r['iters']}, {r['warps']} warps"
+    shape = f"{r['block']} x {r['iters']}, {r['warps']} warps, {r.get('stages', 1)} in flight"
     return dict(recipe=r["recipe"], shape=shape, math=math(r["fast"]),
                 ms=f"{r['ms']:.1f}", b2b=f"{r['ms_back_to_back']:.1f}", gbs=f"{r['gb_per_s']:,.0f}",
                 hbm=f"{r['hbm_pct']:.1f}" if "hbm_pct" in r else "")
 
 
-COLUMNS = [("recipe", "optimizer update, Triton kernels"), ("shape", "elements per load x loads, warps"),
+COLUMNS = [("recipe", "optimizer update, Triton kernels"),
+           ("shape", "elements per load x loads, warps, blocks in flight"),
            ("math", "sqrt and division in the weight's step"), ("ms", "ms (step alone)"),
            ("b2b", "ms back to back"), ("gbs", "GB/s"), ("hbm", "% of HBM")]
-NOTE = ("The library ships {block} x {iters}, {warps} warps, {math} math (update_kernel.BLOCK, ITERS, WARPS, FAST). "
+NOTE = ("The library ships {block} x {iters}, {warps} warps, {stages} in flight, {math} math (update_kernel.BLOCK, "
+        "ITERS, WARPS, STAGES, FAST). "
         "GB/s: the bytes the update must move (bench optim's measure) over the back-to-back time.")
 
 
 def note() -> str:
     k = update_kernel
-    return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, math=math(k.FAST))
+    return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, stages=k.STAGES, math=math(k.FAST))
 
 
 def save(out: str, meta: dict, rows: list[dict]) -> None:
@@ -93,7 +100,7 @@ def save(out: str, meta: dict, rows: list[dict]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="7b")
-    ap.add_argument("--recipes", default="fp8lm-o2+optim.scales=bound,fp8lm-o2")
+    ap.add_argument("--recipes", default="fp8lm-o2+optim.scales=bound,fp8lm-o2,fp8lm-o2+optim.scales=mixed")
     ap.add_argument("--out")
     ap.add_argument("--table", help="a result file whose table is rewritten from its rows")
     a = ap.parse_args()

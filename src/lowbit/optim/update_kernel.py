@@ -1,14 +1,18 @@
 """LowbitAdamW's update on a GPU as two Triton kernels per tensor: MS-AMP's two stages, each one pass over memory.
 
-Pass one reads the stored gradient, moments and (where its storage is scaled) the weights, computes the new
-states in fp32 and reduces their amaxes into a small buffer by atomic max: no state is written, and the unscaled
-weights are not read. Pass two computes the same states again, takes each scaled state's new power-of-two scale
-from its amax (precision.pow2_scale, done on the float's bits, so exactly) and writes the states once; it walks the
-tensor from its end, where pass one read last, so what L2 still holds is read from there. The scales and step
-counters of a chunk of tensors are then written by two multi-tensor ops. Bounded scales (optim.scales=bound)
-write in one pass (`_once_kernel`) with scales from state_bounds; mixed ones run pass one for the FP8 states
-alone (under fp8lm-o2 the first moment: it reads the gradient and the old moment, 2 of the 6 bytes per
-parameter) before that kernel.
+Pass one (`_amax_kernel`) reads the stored gradient, moments and (where its storage is scaled) the weights,
+computes the new states in fp32 and reduces their amaxes into a small buffer by atomic max: no state is written,
+and the unscaled weights are not read. Pass two (`_write_kernel`) computes the same states again, takes each
+scaled state's new power-of-two scale from its amax (precision.pow2_scale, done on the float's bits, so exactly)
+and writes the states once; it walks the tensor from its end, where pass one read last, so what L2 still holds
+is read from there. The scales and step counters of a chunk of tensors are then written by two multi-tensor
+ops. Bounded scales (optim.scales=bound) write in one pass, with scales from state_bounds; mixed ones run pass
+one for the FP8 states alone (under fp8lm-o2 the first moment: it reads the gradient and the old moment, 2 of
+the 6 bytes per parameter) before the writes.
+
+Both kernels are bound by how many bytes are in flight more than by their arithmetic (about 55 instructions
+per element): each program walks ITERS blocks, so its scalars (scales, bias corrections, correctly rounded
+divisions) are computed once per ITERS x BLOCK elements, and each block issues all its loads before any math.
 
 Written here rather than left to torch.compile: inductor splits the amax reductions into two kernels and its
 elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at `7b` in 71 ms, these kernels in 55 ms
@@ -37,17 +41,31 @@ from lowbit.optim.precision import KINDS
 from lowbit.optim.state_bounds import bound_table, from_amax
 
 ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
-BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program (pass one), warps per program
+BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program, warps per program
+STAGES = 1  # loads in flight per program: above 1, Triton's pipeliner copies blocks ahead into shared memory
 FAST = True  # approximate sqrt and division in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _load(ptr, offs, mask, inv, SCALED: tl.constexpr):
+    def _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, VW: tl.constexpr):
+        """The stored gradient and first moment at offs and, with VW, the second moment and weights: every load
+        issued before any math (in the math's order the weights' load sank below the moments' math, a second
+        wait on memory per block)."""
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v, w = g, g
+        if VW:
+            v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        return g, m, v, w
+
+    @triton.jit
+    def _value(x, inv, SCALED: tl.constexpr):
         """A stored state in fp32: data / scale, as data * (1 / scale), the same number (the scales are powers of
         two), for a multiply in place of a correctly rounded division per element."""
-        x = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(tl.float32)
         if SCALED:
             x = x * inv
         return x
@@ -57,22 +75,21 @@ if triton is not None:
         return tl.math.div_rn(1.0, tl.load(scale_ptr))
 
     @triton.jit
-    def _first(g_ptr, m_ptr, offs, mask, ig, im, w1, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr):
+    def _first(g, m, ig, im, w1, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr):
         """The gradient and the new first moment: all the other states' amaxes need, all mixed scales' pass reads."""
-        g = _load(g_ptr, offs, mask, ig, G_SCALED)
-        m = _load(m_ptr, offs, mask, im, M_SCALED)
+        g = _value(g, ig, G_SCALED)
+        m = _value(m, im, M_SCALED)
         return g, m + w1 * (g - m)
 
     @triton.jit
-    def _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2,
-               eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-               W_SCALED: tl.constexpr, FAST: tl.constexpr):
-        """adamw._fresh: the new moments and weights in fp32 (lerp with weight < 0.5 as torch computes it).
-        ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
-        g, m = _first(g_ptr, m_ptr, offs, mask, ig, im, w1, G_SCALED, M_SCALED)
-        v = _load(v_ptr, offs, mask, iv, V_SCALED) * beta2
+    def _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED: tl.constexpr,
+               M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, FAST: tl.constexpr):
+        """adamw._fresh on _loads' values: the new moments and weights in fp32 (lerp with weight < 0.5 as torch
+        computes it). ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
+        g, m = _first(g, m, ig, im, w1, G_SCALED, M_SCALED)
+        v = _value(v, iv, V_SCALED) * beta2
         v = v + (w2 * g) * g
-        w = _load(w_ptr, offs, mask, iw, W_SCALED) * (1.0 - lr * wd)
+        w = _value(w, iw, W_SCALED) * (1.0 - lr * wd)
         if FAST:  # approximate square root and division (2 ulp): the weight's step only, m and v are unchanged
             denom = tl.fdiv(tl.sqrt(v), bc2) + eps
             w = w - tl.fdiv(step_size * m, denom)
@@ -90,14 +107,22 @@ if triton is not None:
             tl.load(buf_ptr + 7)
 
     @triton.jit
-    def _abs(x, mask):
-        return tl.where(mask, tl.where(x != x, float("inf"), tl.abs(x)), 0.0)  # NaN: a bad amax, as torch's
+    def _larger(acc, x, mask):
+        """A running max of |x| over the unmasked lanes, NaN kept (one instruction: max.NaN of |x|)."""
+        return tl.maximum(acc, tl.where(mask, tl.abs(x), 0.0), propagate_nan=tl.PropagateNan.ALL)
+
+    @triton.jit
+    def _amax(acc):
+        """A program's amax from _larger's lanes, NaN as Inf (a bad amax, as torch's; atomic max orders floats as
+        their bits, where a NaN would not reliably win)."""
+        return tl.max(tl.where(acc != acc, float("inf"), acc), axis=0)
 
     @triton.jit
     def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
-                     AMAX_W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
+                     AMAX_W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
+                     STAGES: tl.constexpr):
         """Pass one: the amaxes of the new states AMAX_* names into buf[0:3]; the first moment's alone reads only
         the gradient and the old moment."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
@@ -105,26 +130,27 @@ if triton is not None:
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
         base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-        for i in range(ITERS):
+        for i in tl.range(0, ITERS, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
+            g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, AMAX_V or AMAX_W)
             if AMAX_V or AMAX_W:
-                m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2,
-                                 w1, beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
+                m, v, w = _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED,
+                                 M_SCALED, V_SCALED, W_SCALED, FAST)
                 if AMAX_V:
-                    av = tl.maximum(av, _abs(v, mask))
+                    av = _larger(av, v, mask)
                 if AMAX_W:
-                    aw = tl.maximum(aw, _abs(w, mask))
+                    aw = _larger(aw, w, mask)
             else:
-                _, m = _first(g_ptr, m_ptr, offs, mask, ig, im, w1, G_SCALED, M_SCALED)
+                _, m = _first(g, m, ig, im, w1, G_SCALED, M_SCALED)
             if AMAX_M:
-                am = tl.maximum(am, _abs(m, mask))
+                am = _larger(am, m, mask)
         if AMAX_M:
-            tl.atomic_max(buf_ptr, tl.max(am, axis=0))
+            tl.atomic_max(buf_ptr, _amax(am))
         if AMAX_V:
-            tl.atomic_max(buf_ptr + 1, tl.max(av, axis=0))
+            tl.atomic_max(buf_ptr + 1, _amax(av))
         if AMAX_W:
-            tl.atomic_max(buf_ptr + 2, tl.max(aw, axis=0))
+            tl.atomic_max(buf_ptr + 2, _amax(aw))
 
     @triton.jit
     def _pow2(amax, old, FMAX: tl.constexpr):
@@ -144,52 +170,12 @@ if triton is not None:
     def _in_range(x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
         """A state in its stored units: scaled and clamped to the format's range (NaN kept)."""
         if SCALED:
-            x = x * scale
-            x = tl.where(x != x, x, tl.minimum(tl.maximum(x, -FMAX), FMAX))
+            x = tl.clamp(x * scale, -FMAX, FMAX, propagate_nan=tl.PropagateNan.ALL)
         return x
 
     @triton.jit
-    def _store(ptr, offs, mask, x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
-        x = _in_range(x, scale, SCALED, FMAX)
+    def _store(ptr, offs, mask, x):
         tl.store(ptr + offs, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-
-    @triton.jit
-    def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr,
-                      buf_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
-                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
-                      W_MAX: tl.constexpr, WRITE_P: tl.constexpr, BLOCK: tl.constexpr, FAST: tl.constexpr):
-        ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
-        ms, vs, ws = tl.load(ms_ptr), tl.load(vs_ptr), tl.load(ws_ptr)
-        new_m, new_v, new_w = ms, vs, ws
-        if M_SCALED:
-            new_m = _pow2(tl.load(buf_ptr), ms, M_MAX)
-        if V_SCALED:
-            new_v = _pow2(tl.load(buf_ptr + 1), vs, V_MAX)
-        if W_SCALED:
-            new_w = _pow2(tl.load(buf_ptr + 2), ws, W_MAX)
-        pid = tl.num_programs(0) - 1 - tl.program_id(0)  # from the end: pass one's last reads are in L2
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2,
-                         w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
-        _store(m_ptr, offs, mask, m, new_m, M_SCALED, M_MAX)
-        _store(v_ptr, offs, mask, v, new_v, V_SCALED, V_MAX)
-        _store(w_ptr, offs, mask, w, new_w, W_SCALED, W_MAX)
-        if WRITE_P:  # a separate master: the weights are written from it, rounded to nearest
-            _store(p_ptr, offs, mask, w, 1.0, False, 1.0)
-        if tl.program_id(0) == 0:
-            tl.store(buf_ptr + 4, new_m)
-            tl.store(buf_ptr + 5, new_v)
-            tl.store(buf_ptr + 6, new_w)
-
-
-    @triton.jit
-    def _put(ptr, offs, mask, x, scale, SCALED: tl.constexpr, FMAX: tl.constexpr):
-        """_store, returning the magnitude of the value before rounding (scaled, clamped): rounding is monotonic,
-        so the largest stored value is the largest of these rounded once (`_rounded`)."""
-        x = _in_range(x, scale, SCALED, FMAX)
-        tl.store(ptr + offs, x.to(ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-        return _abs(x, mask)
 
     @triton.jit
     def _rounded(ptr, a, inv):
@@ -198,15 +184,16 @@ if triton is not None:
         return tl.where(a < float("inf"), r, a)
 
     @triton.jit
-    def _once_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr, n,
-                     wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr, V_SCALED: tl.constexpr,
-                     W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr, W_MAX: tl.constexpr,
-                     WRITE_P: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr, AMAX_W: tl.constexpr,
-                     BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
-        """The writes of bounded and mixed scales: the states written with the scales at new_ptr (m, v, w), or for
-        a state AMAX_* names, the scale of its amax that _amax_kernel left in buf (kept at buf[4:7]); the amaxes
-        of what is written reduced into buf[8:11] by atomic max. After a pass one it walks from the end, where
-        that pass read last."""
+    def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr,
+                      n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
+                      W_MAX: tl.constexpr, WRITE_P: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
+                      AMAX_W: tl.constexpr, TRACK: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                      FAST: tl.constexpr, STAGES: tl.constexpr):
+        """The writes, every kind of scales: the states written with the scales at new_ptr (m, v, w), or for a
+        state AMAX_* names, the scale of its amax that _amax_kernel left in buf (kept at buf[4:7]). TRACK: the
+        amaxes of what is written into buf[8:11] by atomic max (bounded and mixed scales' record). After a pass
+        one it walks from the end, where that pass read last, so what L2 still holds is read from there."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         nm, nv, nw = tl.load(new_ptr), tl.load(new_ptr + 1), tl.load(new_ptr + 2)
         if AMAX_M:
@@ -215,7 +202,6 @@ if triton is not None:
             nv = _pow2(tl.load(buf_ptr + 1), tl.load(vs_ptr), V_MAX)
         if AMAX_W:
             nw = _pow2(tl.load(buf_ptr + 2), tl.load(ws_ptr), W_MAX)
-        inm, inv, inw = tl.math.div_rn(1.0, nm), tl.math.div_rn(1.0, nv), tl.math.div_rn(1.0, nw)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -227,22 +213,28 @@ if triton is not None:
                 tl.store(buf_ptr + 6, nw)
             pid = tl.num_programs(0) - 1 - pid
         base = pid.to(tl.int64) * BLOCK * ITERS
-        for i in range(ITERS):
+        for i in tl.range(0, ITERS, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            m, v, w = _fresh(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, ig, im, iv, iw, lr, wd, step_size, bc2, w1,
-                             beta2, w2, eps, G_SCALED, M_SCALED, V_SCALED, W_SCALED, FAST)
-            am = tl.maximum(am, _put(m_ptr, offs, mask, m, nm, M_SCALED, M_MAX))
-            av = tl.maximum(av, _put(v_ptr, offs, mask, v, nv, V_SCALED, V_MAX))
-            aw = tl.maximum(aw, _put(w_ptr, offs, mask, w, nw, W_SCALED, W_MAX))
-            if WRITE_P:
-                _store(p_ptr, offs, mask, w, 1.0, False, 1.0)
-        if M_SCALED:  # an unscaled state's record stays 0, as adamw's stored_amaxes gives it
-            tl.atomic_max(buf_ptr + 8, _rounded(m_ptr, tl.max(am, axis=0), inm))
-        if V_SCALED:
-            tl.atomic_max(buf_ptr + 9, _rounded(v_ptr, tl.max(av, axis=0), inv))
-        if W_SCALED:
-            tl.atomic_max(buf_ptr + 10, _rounded(w_ptr, tl.max(aw, axis=0), inw))
+            g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, True)
+            m, v, w = _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED,
+                             M_SCALED, V_SCALED, W_SCALED, FAST)
+            sm, sv, sw = _in_range(m, nm, M_SCALED, M_MAX), _in_range(v, nv, V_SCALED, V_MAX), \
+                _in_range(w, nw, W_SCALED, W_MAX)
+            _store(m_ptr, offs, mask, sm)
+            _store(v_ptr, offs, mask, sv)
+            _store(w_ptr, offs, mask, sw)
+            if WRITE_P:  # a separate master: the weights are written from it, rounded to nearest
+                _store(p_ptr, offs, mask, w)
+            if TRACK:  # rounding is monotonic: the largest stored value is the largest of these rounded once
+                am, av, aw = _larger(am, sm, mask), _larger(av, sv, mask), _larger(aw, sw, mask)
+        if TRACK:  # an unscaled state's record stays 0, as adamw's stored_amaxes gives it
+            if M_SCALED:
+                tl.atomic_max(buf_ptr + 8, _rounded(m_ptr, _amax(am), tl.math.div_rn(1.0, nm)))
+            if V_SCALED:
+                tl.atomic_max(buf_ptr + 9, _rounded(v_ptr, _amax(av), tl.math.div_rn(1.0, nv)))
+            if W_SCALED:
+                tl.atomic_max(buf_ptr + 10, _rounded(w_ptr, _amax(aw), tl.math.div_rn(1.0, nw)))
 
 
 def _scaled(kind: str) -> bool:
@@ -276,12 +268,12 @@ def _prepare(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, k
 
 
 def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps: float, kinds) -> None:
-    """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place: two
-    kernels per tensor (amax scales: `_two_passes`; mixed: the FP8 states' amaxes, then `_once_kernel`), or one
-    where the scales are bounded (kinds[5] == "bound")."""
+    """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place: per tensor
+    an amax pass for the states whose new scale comes from their new amax (every scaled state under amax scales,
+    the FP8 ones under mixed scales), then the writes; one pass where every scale is bounded (kinds[5] == "bound")."""
     flags, maxes, buf = _prepare(items, lr, beta1, beta2, kinds)
-    once = kinds[5] != "amax"
-    table = bound_table(items, lr, beta1, beta2, kinds) if once else None
+    bounded = kinds[5] != "amax"
+    table = bound_table(items, lr, beta1, beta2, kinds) if bounded else buf  # amax scales: a row never read
     exact = {f"AMAX_{n}": flags[f"{n}_SCALED"] and from_amax(k, kinds[5]) for n, k in zip("MVW", kinds[:3])}
     from_master, own = kinds[2] != "none", kinds[4]
     coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
@@ -291,22 +283,19 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
             n = g.numel()
             args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i])
             consts = dict(G_SCALED=_scaled(g_kind), **flags, **maxes, WRITE_P=from_master and not own)
-            if once:
-                if any(exact.values()):
-                    _pass_one(args, n, wd, coef, consts, exact)
-                _once_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, table[i], n, wd, **coef, **consts, **exact,
-                                                               BLOCK=BLOCK, ITERS=ITERS, FAST=FAST,
-                                                               num_warps=WARPS)
-            else:
-                _two_passes(args, n, wd, coef, consts)
+            if any(exact.values()):
+                _pass_one(args, n, wd, coef, consts, exact)
+            _write_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, table[i], n, wd, **coef, **consts, **exact,
+                                                            TRACK=bounded, BLOCK=BLOCK, ITERS=ITERS, FAST=FAST,
+                                                            STAGES=STAGES, num_warps=WARPS)
             for j, (name, s) in enumerate((("m", ms), ("v", vs), ("w", ws))):
                 if flags[f"{name.upper()}_SCALED"]:
                     scales.append(s)
-                    news.append(table[i, j] if once and not exact[f"AMAX_{name.upper()}"] else buf[i, 4 + j])
+                    news.append(buf[i, 4 + j] if exact[f"AMAX_{name.upper()}"] else table[i, j])
             steps.append(step)
     if scales:
         torch._foreach_copy_(scales, news)
-    if once:
+    if bounded:
         torch._foreach_copy_([item[13] for item in items], list(buf[:, 8:11].unbind(0)))
     torch._foreach_add_(steps, 1)
 
@@ -316,17 +305,8 @@ def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict) -> 
     g, m, v, w, p, *scale_args = args
     flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED")}
     _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](g, m, v, w, *scale_args, n, wd, **coef, **flags, **amax,
-                                                   BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, num_warps=WARPS)
-
-
-def _two_passes(args, n: int, wd: float, coef: dict, consts: dict) -> None:
-    """MS-AMP's two stages for one tensor: the amaxes (where a state is scaled), then the writes."""
-    g, m, v, w, p, *scale_args = args
-    amax = {f"AMAX_{c}": consts[f"{c}_SCALED"] for c in "MVW"}
-    if any(amax.values()):
-        _pass_one(args, n, wd, coef, consts, amax)
-    _write_kernel[(triton.cdiv(n, BLOCK),)](g, m, v, w, p, *scale_args, n, wd, **coef, **consts, BLOCK=BLOCK,
-                                            FAST=FAST, num_warps=WARPS)
+                                                   BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES,
+                                                   num_warps=WARPS)
 
 
 def available() -> bool:
