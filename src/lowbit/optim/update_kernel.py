@@ -41,6 +41,7 @@ from lowbit.optim.precision import KINDS
 from lowbit.optim.state_bounds import bound_table, from_amax
 
 ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
+INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter: no PTX
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program, warps per program
 STAGES = 1  # loads in flight per program: above 1, Triton's pipeliner copies blocks ahead into shared memory
 FAST = True  # approximate sqrt and division in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
@@ -82,17 +83,31 @@ if triton is not None:
         return g, m + w1 * (g - m)
 
     @triton.jit
+    def _approx(x, op: tl.constexpr, ASM: tl.constexpr):
+        """PTX's approximate sqrt or reciprocal, flushing subnormals (one MUFU instruction; tl.sqrt and tl.fdiv add
+        range fix-ups, about 8 instructions per element between them); tl's where no PTX runs (the interpreter).
+        A flushed subnormal v changes nothing: sqrt(v) < 1.1e-19 vanishes when eps is added."""
+        if ASM:
+            return tl.inline_asm_elementwise(f"{op}.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+        elif op == "sqrt":
+            return tl.sqrt(x)
+        else:
+            return tl.fdiv(1.0, x)
+
+    @triton.jit
     def _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED: tl.constexpr,
-               M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, FAST: tl.constexpr):
+               M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, FAST: tl.constexpr,
+               ASM: tl.constexpr = not INTERPRETED):
         """adamw._fresh on _loads' values: the new moments and weights in fp32 (lerp with weight < 0.5 as torch
         computes it). ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
         g, m = _first(g, m, ig, im, w1, G_SCALED, M_SCALED)
         v = _value(v, iv, V_SCALED) * beta2
         v = v + (w2 * g) * g
         w = _value(w, iw, W_SCALED) * (1.0 - lr * wd)
-        if FAST:  # approximate square root and division (2 ulp): the weight's step only, m and v are unchanged
-            denom = tl.fdiv(tl.sqrt(v), bc2) + eps
-            w = w - tl.fdiv(step_size * m, denom)
+        if FAST:  # approximate square root and reciprocal (a few ulp): the weight's step only, m and v unchanged
+            denom = _approx(v, "sqrt", ASM) * (1.0 / bc2) + eps
+            w = w - (step_size * m) * _approx(denom, "rcp", ASM)
         else:
             denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps
             w = w - tl.math.div_rn(step_size * m, denom)
