@@ -10,17 +10,20 @@ ops. Bounded scales (optim.scales=bound) write in one pass, with scales from sta
 one for the FP8 states alone (under fp8lm-o2 the first moment: it reads the gradient and the old moment, 2 of
 the 6 bytes per parameter) before the writes.
 
-Both kernels are bound by how many bytes are in flight more than by their arithmetic (about 55 instructions
-per element): each program walks ITERS blocks, so its scalars (scales, bias corrections, correctly rounded
-divisions) are computed once per ITERS x BLOCK elements, and each block issues all its loads before any math.
+Each program walks ITERS blocks, so its scalars (scales, bias corrections, correctly rounded divisions) are
+computed once per ITERS x BLOCK elements; each block issues its loads before any math, and STAGES > 1 lets
+Triton's pipeliner copy the next blocks into shared memory while one is computed. Built for sm90, fp8lm-o2's
+write pass issues about 31 instructions per element (counted in ptxas's output), where with its scalars per
+block and tl's range fix-ups it issued about 89.
 
 Written here rather than left to torch.compile: inductor splits the amax reductions into two kernels and its
 elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at `7b` in 71 ms, these kernels in 55 ms
 (BENCHMARKS.md, `lowbit bench optim --update both`). The math is adamw._fresh's, in the same order of
 operations with correctly rounded division and square root, except in the weight's step (FAST): approximate ones
-there (2 ulp of the step, far under the rounding of the weight it is added to) took a fifth off the update's time
-(7b on an H100: 56.9 -> 46.3 ms; bounded scales 42.5 -> 37.1; benchmarks/optim_kernel_sweep.py). A state is
-decoded by multiplying with the inverse of its power-of-two scale, the same number as the division.
+there (a few ulp of the step, far under the rounding of the weight it is added to) took a fifth off the update's
+time when they were tl.sqrt and tl.fdiv (7b on an H100: 56.9 -> 46.3 ms; bounded scales 42.5 -> 37.1;
+benchmarks/optim_kernel_sweep.py). A state is decoded by multiplying with the inverse of its power-of-two scale,
+the same number as the division.
 tests/test_gpu.py compares the states it writes with the compiled update's (with and without FAST). Nearest
 rounding only: stochastic rounding (nanotron-r2), non-contiguous tensors and CPUs keep the torch formulas
 (`supported`).
