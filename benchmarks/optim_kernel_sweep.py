@@ -3,18 +3,23 @@
 For each recipe, LowbitAdamW is built once as `lowbit bench optim` builds it; then each configuration of
 src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, blocks in flight through Triton's
 pipeliner, approximate sqrt and division in the weight's step) times `step()` alone and ten steps back to back
-(the kernels' time when the host launches ahead). GB/s counts the bytes the update must move (bench optim's `update_bytes`). The configuration the library
-ships is the first row of each recipe (the note under the table names it).
+(the kernels' time when the host launches ahead). GB/s counts the bytes the update must move (bench optim's
+`update_bytes`). The configuration the library ships is the first row of each recipe after the baseline, an
+earlier update_kernel.py timed on the same build where --baseline names one (the note under the table names it).
 
-    python benchmarks/optim_kernel_sweep.py --preset 7b --out benchmarks/results/optim_kernel_sweep_7b_h100.json
+    git show f58d11e:src/lowbit/optim/update_kernel.py > /tmp/update_kernel_f58d11e.py
+    python benchmarks/optim_kernel_sweep.py --preset 7b --baseline /tmp/update_kernel_f58d11e.py \
+        --out benchmarks/results/optim_kernel_sweep_7b_h100.json
     python benchmarks/optim_kernel_sweep.py --table RESULT.json  # rewrite an older file's table from its rows
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import time
+from pathlib import Path
 
 import torch
 from tables import write  # benchmarks/tables.py: the result file in bench's layout
@@ -37,7 +42,31 @@ def moved_bytes(opt) -> int:
     return sum(p.numel() * update_bytes(opt.precision_of(g)) for g in opt.param_groups for p in g["params"])
 
 
-def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
+def timed(opt, moved: int, hbm: float | None, **row) -> dict:
+    """One configuration's row: the first step (its kernels built), the step alone and back to back."""
+    opt._graphed.clear()  # the update's CUDA graph holds the kernels it captured: capture this configuration's
+    t0 = time.perf_counter()
+    opt.step()
+    row["first_step_s"] = time.perf_counter() - t0
+    row["ms"] = time_ms(opt.step, torch.device("cuda"), 5, 1)["ms"]
+    row["ms_back_to_back"] = back_to_back_ms(opt.step, torch.device("cuda"), 10)
+    row["gb_per_s"] = moved / (row["ms_back_to_back"] / 1e3) / 1e9
+    if hbm:
+        row["hbm_pct"] = 100 * row["gb_per_s"] * 1e9 / hbm
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def older(path: str):
+    """An earlier update_kernel.py (`git show REV:src/lowbit/optim/update_kernel.py > FILE`), loaded beside
+    the current one: its `update` runs in place of the current one's, with its own launch constants."""
+    spec = importlib.util.spec_from_file_location("lowbit_update_kernel_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def sweep(recipe: str, preset: str, hbm: float | None, baseline: str | None = None) -> list[dict]:
     (v,) = variants([recipe], [])
     model, opt = build(preset_args(preset, 2048), v, torch.device("cuda"))
     fill_grads(opt)
@@ -45,22 +74,20 @@ def sweep(recipe: str, preset: str, hbm: float | None) -> list[dict]:
     default = tuple(getattr(update_kernel, k) for k in KNOBS)
     configs = [default] + [c for c in CONFIGS if c != default]
     with update_kernel.forced(True):
+        if baseline:
+            old, current = older(baseline), update_kernel.update
+            update_kernel.update = old.update
+            try:
+                rows.append(timed(opt, moved, hbm, recipe=recipe, block=old.BLOCK, iters=old.ITERS,
+                                  warps=old.WARPS, stages=1, fast=old.FAST, kernels=baseline))
+            finally:
+                update_kernel.update = current
         for config in configs:
             for k, value in zip(KNOBS, config):
                 setattr(update_kernel, k, value)
             block, iters, warps, stages, fast = config
-            opt._graphed.clear()  # the update's CUDA graph holds the kernels it captured: capture this config's
-            t0 = time.perf_counter()
-            opt.step()
-            first = time.perf_counter() - t0
-            alone = time_ms(opt.step, torch.device("cuda"), 5, 1)["ms"]
-            row = dict(recipe=recipe, block=block, iters=iters, warps=warps, stages=stages, fast=fast, ms=alone,
-                       ms_back_to_back=back_to_back_ms(opt.step, torch.device("cuda"), 10), first_step_s=first)
-            row["gb_per_s"] = moved / (row["ms_back_to_back"] / 1e3) / 1e9
-            if hbm:
-                row["hbm_pct"] = 100 * row["gb_per_s"] * 1e9 / hbm
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            rows.append(timed(opt, moved, hbm, recipe=recipe, block=block, iters=iters, warps=warps, stages=stages,
+                              fast=fast))
     for k, value in zip(KNOBS, default):
         setattr(update_kernel, k, value)
     model = opt = None
@@ -74,6 +101,8 @@ def math(fast: bool) -> str:
 
 def cells(r: dict) -> dict:
     shape = f"{r['block']} x {r['iters']}, {r['warps']} warps, {r.get('stages', 1)} in flight"
+    if r.get("kernels"):  # an earlier update_kernel.py's row
+        shape += f" ({Path(r['kernels']).stem})"
     return dict(recipe=r["recipe"], shape=shape, math=math(r["fast"]),
                 ms=f"{r['ms']:.1f}", b2b=f"{r['ms_back_to_back']:.1f}", gbs=f"{r['gb_per_s']:,.0f}",
                 hbm=f"{r['hbm_pct']:.1f}" if "hbm_pct" in r else "")
@@ -102,6 +131,7 @@ def main() -> None:
     ap.add_argument("--preset", default="7b")
     ap.add_argument("--recipes", default="fp8lm-o2+optim.scales=bound,fp8lm-o2,fp8lm-o2+optim.scales=mixed")
     ap.add_argument("--out")
+    ap.add_argument("--baseline", help="an earlier update_kernel.py, timed first in each recipe's build")
     ap.add_argument("--table", help="a result file whose table is rewritten from its rows")
     a = ap.parse_args()
     if a.table:
@@ -110,9 +140,10 @@ def main() -> None:
         return
     name = device_name(torch.device("cuda"))
     hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in name), None)
-    rows = [r for recipe in a.recipes.split(",") for r in sweep(recipe, a.preset, hbm)]
+    rows = [r for recipe in a.recipes.split(",") for r in sweep(recipe, a.preset, hbm, a.baseline)]
     meta = dict(device=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), preset=a.preset,
-                command=f"python benchmarks/optim_kernel_sweep.py --preset {a.preset} --out {a.out}")
+                command=f"python benchmarks/optim_kernel_sweep.py --preset {a.preset}"
+                        + (f" --baseline {a.baseline}" if a.baseline else "") + f" --out {a.out}")
     save(a.out, meta, rows)
 
 

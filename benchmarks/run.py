@@ -84,7 +84,9 @@ STEPS: tuple[Step, ...] = (
                 "fp8lm-o2+optim.scales=bound,fp8lm-o2+optim.scales=mixed,fp8lm-o3+optim.scales=mixed",
                 "optim_7b_triton_{dev}.json"),), ("optim_7b_triton_{dev}.json",)),
     Step("optim-sweep-7b", "the Triton update's launch shapes and approximate math on the 7b parameters",
-         ("python3 benchmarks/optim_kernel_sweep.py --preset 7b --out {out}/optim_kernel_sweep_7b_{dev}.json",),
+         ("git show f58d11e:src/lowbit/optim/update_kernel.py > /tmp/update_kernel_f58d11e.py && "
+          "python3 benchmarks/optim_kernel_sweep.py --preset 7b --baseline /tmp/update_kernel_f58d11e.py "
+          "--out {out}/optim_kernel_sweep_7b_{dev}.json",),
          ("optim_kernel_sweep_7b_{dev}.json",)),
     Step("step-7b", "the 7b training step, 4 x 2048, beside bf16 and torchao",
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes bf16,fp8-tensorwise,fp8lm-o2,"
