@@ -923,6 +923,44 @@ def test_update_kernels_write_what_the_torch_update_writes_under_the_interpreter
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+@pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
+@pytest.mark.parametrize("scales", ["amax", "bound", "mixed"])
+@pytest.mark.parametrize("stages", [1, 3])
+def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages):
+    """The interpreter runs no PTX, so the update kernels' approximate sqrt and reciprocal (inline PTX) and
+    Triton's pipelined loads are checked here: each kernel fp8lm-o2 launches builds through ptxas for sm90, the
+    weight step's math is the one-instruction PTX, and the write pass issues its loads as 64- and 128-bit
+    vectors. No GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    from lowbit.optim import update_kernel as uk
+
+    flags = dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_SCALED=True, FAST=True, BLOCK=2048, ITERS=8,
+                 STAGES=stages)
+    amax = dict(AMAX_M=True, AMAX_V=scales == "amax", AMAX_W=scales == "amax")
+    if scales == "bound":
+        amax["AMAX_M"] = False
+    ptrs = ["*fp8e4nv", "*fp8e4nv", "*fp16", "*fp16"]
+    write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
+             dict(flags, **amax, M_MAX=448.0, V_MAX=65504.0, W_MAX=65504.0, WRITE_P=False, TRACK=scales != "amax"))
+    kernels_ = [write] + ([(uk._amax_kernel, ptrs + ["*fp32"] * 6 + ["i32"] + ["fp32"] * 5, dict(flags, **amax))]
+                          if any(amax.values()) else [])
+    for fn, types, constants in kernels_:
+        signature = {**dict(zip(fn.arg_names, types)), **{k: "constexpr" for k in constants}}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*") or t == "i32"}
+        src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs)
+        built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        ptx = built.asm["ptx"]
+        if fn is uk._write_kernel or constants["AMAX_W"]:
+            assert "sqrt.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx
+            assert "div.full.f32" not in ptx
+        if fn is uk._write_kernel and stages == 1:
+            assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+        assert built.asm["cubin"]
+
+
 AVX2_UPDATE_CHECK = """
 import torch
 from lowbit.optim import LowbitAdamW, StatePrecision

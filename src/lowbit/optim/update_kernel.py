@@ -109,7 +109,7 @@ if triton is not None:
         v = v + (w2 * g) * g
         w = _value(w, iw, W_SCALED) * (1.0 - lr * wd)
         if FAST:  # approximate square root and reciprocal (a few ulp): the weight's step only, m and v unchanged
-            denom = _approx(v, "sqrt", ASM) * (1.0 / bc2) + eps
+            denom = _approx(v, "sqrt", ASM) * tl.math.div_rn(1.0, bc2) + eps
             w = w - (step_size * m) * _approx(denom, "rcp", ASM)
         else:
             denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps
