@@ -66,17 +66,17 @@ if triton is not None:
 
     @triton.jit
     def _amax_kernel(x_ptr, stats_ptr, n, BLOCK: tl.constexpr):
-        # stats: [max |x| over the finite and infinite values, 1 if any NaN], both reduced by atomic max (>= 0);
-        # BLOCK-element blocks strided over the grid (grid_stride)
+        # stats: [max |x|, 1 if any NaN], both reduced by atomic max (>= 0); with a NaN, stats[0] is only a max
+        # of some values (callers read it only without). BLOCK-element blocks strided over the grid
+        # (grid_stride); per element one max.NaN of |x| (a lane that meets a NaN stays NaN).
         acc = tl.zeros([BLOCK], dtype=tl.float32)
-        nan = tl.zeros([BLOCK], dtype=tl.float32)
         for i in range(tl.program_id(0), tl.cdiv(n, BLOCK), tl.num_programs(0)):
             offs = tl.cast(i, tl.int64) * BLOCK + tl.arange(0, BLOCK)
             x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
-            acc = tl.maximum(acc, tl.where(x != x, 0.0, tl.abs(x)))
-            nan = tl.maximum(nan, tl.where(x != x, 1.0, 0.0))
-        tl.atomic_max(stats_ptr, tl.max(acc, axis=0))
-        tl.atomic_max(stats_ptr + 1, tl.max(nan, axis=0))
+            acc = tl.maximum(acc, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
+        nan = acc != acc
+        tl.atomic_max(stats_ptr, tl.max(tl.where(nan, 0.0, acc), axis=0))
+        tl.atomic_max(stats_ptr + 1, tl.max(nan.to(tl.float32), axis=0))
 
     @triton.jit
     def _cast_kernel(x_ptr, y_ptr, scale_ptr, stats_ptr, scale_inv_ptr, n, FMT_MAX: tl.constexpr,
@@ -102,7 +102,7 @@ if triton is not None:
         offs = block.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         y = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) * scale
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
+        y = tl.clamp(y, -FMT_MAX, FMT_MAX, propagate_nan=tl.PropagateNan.ALL)  # one instruction on sm90
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
     @triton.jit
@@ -118,8 +118,7 @@ if triton is not None:
         if AMAX:
             tl.atomic_max(stats_ptr, tl.max(tl.max(tl.where(x != x, 0.0, tl.abs(x)), axis=1), axis=0))
             tl.atomic_max(stats_ptr + 1, tl.max(tl.max(tl.where(x != x, 1.0, 0.0), axis=1), axis=0))
-        y = x * tl.load(scale_ptr)
-        y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
+        y = tl.clamp(x * tl.load(scale_ptr), -FMT_MAX, FMT_MAX, propagate_nan=tl.PropagateNan.ALL)
         y = y.to(y_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         tl.store(y_ptr + rm[:, None] * N + rn[None, :], y, mask=mask)
         tl.store(yt_ptr + rn[None, :] * M + rm[:, None], y, mask=mask)
