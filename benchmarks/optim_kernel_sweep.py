@@ -66,13 +66,14 @@ def older(path: str):
     return module
 
 
-def sweep(recipe: str, preset: str, hbm: float | None, baseline: str | None = None) -> list[dict]:
+def sweep(recipe: str, preset: str, hbm: float | None, baseline: str | None = None,
+          configs: list[tuple] = CONFIGS) -> list[dict]:
     (v,) = variants([recipe], [])
     model, opt = build(preset_args(preset, 2048), v, torch.device("cuda"))
     fill_grads(opt)
     moved, rows = moved_bytes(opt), []
     default = tuple(getattr(update_kernel, k) for k in KNOBS)
-    configs = [default] + [c for c in CONFIGS if c != default]
+    configs = [default] + [c for c in configs if c != default]
     with update_kernel.forced(True):
         if baseline:
             old, current = older(baseline), update_kernel.update
@@ -132,6 +133,7 @@ def main() -> None:
     ap.add_argument("--recipes", default="fp8lm-o2+optim.scales=bound,fp8lm-o2,fp8lm-o2+optim.scales=mixed")
     ap.add_argument("--out")
     ap.add_argument("--baseline", help="an earlier update_kernel.py, timed first in each recipe's build")
+    ap.add_argument("--configs", type=int, default=len(CONFIGS), help="the first N of CONFIGS only")
     ap.add_argument("--table", help="a result file whose table is rewritten from its rows")
     a = ap.parse_args()
     if a.table:
@@ -140,7 +142,8 @@ def main() -> None:
         return
     name = device_name(torch.device("cuda"))
     hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in name), None)
-    rows = [r for recipe in a.recipes.split(",") for r in sweep(recipe, a.preset, hbm, a.baseline)]
+    rows = [r for recipe in a.recipes.split(",") for r in sweep(recipe, a.preset, hbm, a.baseline,
+                                                                  CONFIGS[:a.configs])]
     meta = dict(device=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), preset=a.preset,
                 command=f"python benchmarks/optim_kernel_sweep.py --preset {a.preset}"
                         + (f" --baseline {a.baseline}" if a.baseline else "") + f" --out {a.out}")
