@@ -31,9 +31,9 @@ from lowbit.tools.bench.optim import fill_grads, update_bytes
 from lowbit.tools.bench.step import build
 
 # (elements per load, loads per program, warps, stages, approximate math): 8 or 4 elements per thread, pipelined
-CONFIGS = [(2048, 8, 8, 1, False), (2048, 8, 8, 1, True), (2048, 8, 8, 2, True), (2048, 8, 8, 3, True),
-           (2048, 16, 8, 3, True), (1024, 16, 4, 3, True), (1024, 16, 8, 1, True), (1024, 16, 8, 3, True),
-           (512, 32, 4, 3, True), (4096, 8, 16, 3, True), (1024, 8, 4, 2, True)]
+CONFIGS = [(2048, 8, 8, 3, True), (1024, 16, 8, 3, True), (1024, 16, 4, 3, True), (2048, 8, 8, 2, True),
+           (512, 32, 4, 3, True), (1024, 16, 8, 1, True), (2048, 16, 8, 3, True), (4096, 8, 16, 3, True),
+           (1024, 8, 4, 2, True), (2048, 8, 8, 1, True), (2048, 8, 8, 1, False)]
 KNOBS = ("BLOCK", "ITERS", "WARPS", "STAGES", "FAST")
 
 
