@@ -11,10 +11,11 @@ one for the FP8 states alone (under fp8lm-o2 the first moment: it reads the grad
 the 6 bytes per parameter) before the writes.
 
 Each program walks ITERS blocks, so its scalars (scales, bias corrections, correctly rounded divisions) are
-computed once per ITERS x BLOCK elements; each block issues its loads before any math, and STAGES > 1 lets
-Triton's pipeliner copy the next blocks into shared memory while one is computed. Built for sm90, fp8lm-o2's
-write pass issues about 31 instructions per element (counted in ptxas's output), where with its scalars per
-block and tl's range fix-ups it issued about 89.
+computed once per ITERS x BLOCK elements, and STAGES blocks are in flight: Triton's pipeliner copies the next
+blocks into shared memory (cp.async) while one is computed. The kernels wait on memory more than they issue
+instructions: cutting fp8lm-o2's write pass from about 89 to 31 instructions per element (ptxas's count for sm90)
+left its 7b update at 46.4 ms against 46.7 on an H100, and three blocks in flight took it to 44.2 (bounded scales
+38.6 -> 35.9; benchmarks/optim_kernel_sweep.py, BENCHMARKS.md).
 
 Written here rather than left to torch.compile: inductor splits the amax reductions into two kernels and its
 elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at `7b` in 71 ms, these kernels in 55 ms
@@ -46,7 +47,7 @@ from lowbit.optim.state_bounds import bound_table, from_amax
 ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter: no PTX
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program, warps per program
-STAGES = 1  # loads in flight per program: above 1, Triton's pipeliner copies blocks ahead into shared memory
+STAGES = 3  # blocks in flight per program (Triton's pipeliner); the best of 1-3 on an H100
 FAST = True  # approximate sqrt and division in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 
 if triton is not None:
