@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -145,8 +146,7 @@ def main() -> None:
     rows = [r for recipe in a.recipes.split(",") for r in sweep(recipe, a.preset, hbm, a.baseline,
                                                                   CONFIGS[:a.configs])]
     meta = dict(device=name, torch=torch.__version__, date=time.strftime("%Y-%m-%d"), preset=a.preset,
-                command=f"python benchmarks/optim_kernel_sweep.py --preset {a.preset}"
-                        + (f" --baseline {a.baseline}" if a.baseline else "") + f" --out {a.out}")
+                command="python benchmarks/optim_kernel_sweep.py " + " ".join(sys.argv[1:]))
     save(a.out, meta, rows)
 
 
