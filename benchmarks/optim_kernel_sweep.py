@@ -2,10 +2,11 @@
 
 For each recipe, LowbitAdamW is built once as `lowbit bench optim` builds it; then each configuration of
 src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, blocks in flight through Triton's
-pipeliner, approximate sqrt and division in the weight's step) times `step()` alone and ten steps back to back
+pipeliner, approximate sqrt and reciprocal in the weight's step) times `step()` alone and ten steps back to back
 (the kernels' time when the host launches ahead). GB/s counts the bytes the update must move (bench optim's
-`update_bytes`). The configuration the library ships is the first row of each recipe after the baseline, an
-earlier update_kernel.py timed on the same build where --baseline names one (the note under the table names it).
+`update_bytes`). The first row of each recipe after the baseline (an earlier update_kernel.py timed on the same
+build, where --baseline names one) is the configuration the library shipped when the sweep ran; the note under
+the table names the one it ships now.
 
     git show f58d11e:src/lowbit/optim/update_kernel.py > /tmp/update_kernel_f58d11e.py
     python benchmarks/optim_kernel_sweep.py --preset 7b --baseline /tmp/update_kernel_f58d11e.py \
@@ -84,14 +85,16 @@ def sweep(recipe: str, preset: str, hbm: float | None, baseline: str | None = No
                                   warps=old.WARPS, stages=1, fast=old.FAST, kernels=baseline))
             finally:
                 update_kernel.update = current
-        for config in configs:
-            for k, value in zip(KNOBS, config):
+        try:
+            for config in configs:
+                for k, value in zip(KNOBS, config):
+                    setattr(update_kernel, k, value)
+                block, iters, warps, stages, fast = config
+                rows.append(timed(opt, moved, hbm, recipe=recipe, block=block, iters=iters, warps=warps,
+                                  stages=stages, fast=fast))
+        finally:
+            for k, value in zip(KNOBS, default):
                 setattr(update_kernel, k, value)
-            block, iters, warps, stages, fast = config
-            rows.append(timed(opt, moved, hbm, recipe=recipe, block=block, iters=iters, warps=warps, stages=stages,
-                              fast=fast))
-    for k, value in zip(KNOBS, default):
-        setattr(update_kernel, k, value)
     model = opt = None
     release(torch.device("cuda"))
     return rows

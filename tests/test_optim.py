@@ -928,9 +928,9 @@ def test_update_kernels_write_what_the_torch_update_writes_under_the_interpreter
 @pytest.mark.parametrize("stages", [1, 3])
 def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages):
     """The interpreter runs no PTX, so the update kernels' approximate sqrt and reciprocal (inline PTX) and
-    Triton's pipelined loads are checked here: each kernel fp8lm-o2 launches builds through ptxas for sm90, the
-    weight step's math is the one-instruction PTX, and the write pass issues its loads as 64- and 128-bit
-    vectors. No GPU needed."""
+    Triton's pipelined loads are checked here: each kernel fp8lm-o2 launches builds through ptxas for sm90 with one
+    and three blocks in flight, the weight step's math is the one-instruction PTX, and unpipelined, the write pass
+    loads and stores 128-bit vectors. No GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource

@@ -110,7 +110,7 @@ if triton is not None:
                                AMAX: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
         # One [BM, BN] tile of x [M, N]: y = fp8(clamp(x * scale)) as _cast_kernel, stored at [m, n] of y and at
         # [n, m] of yt (the compiler stages the transposed store through shared memory so both stores coalesce).
-        # AMAX: the tile's max |x| and NaN flag into stats by atomic max, as _amax_kernel.
+        # AMAX: the tile's max |x| over its non-NaN values and NaN flag into stats by atomic max.
         rm = tl.program_id(0).to(tl.int64) * BM + tl.arange(0, BM)
         rn = tl.program_id(1).to(tl.int64) * BN + tl.arange(0, BN)
         mask = (rm[:, None] < M) & (rn[None, :] < N)

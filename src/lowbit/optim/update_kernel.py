@@ -23,7 +23,7 @@ elementwise kernels over FP8 and FP16 inputs ran fp8lm-o2's update at `7b` in 71
 operations with correctly rounded division and square root, except in the weight's step (FAST): approximate ones
 there (a few ulp of the step, far under the rounding of the weight it is added to) took a fifth off the update's
 time when they were tl.sqrt and tl.fdiv (7b on an H100: 56.9 -> 46.3 ms; bounded scales 42.5 -> 37.1;
-benchmarks/optim_kernel_sweep.py). A state is decoded by multiplying with the inverse of its power-of-two scale,
+benchmarks/optim_kernel_sweep.py at commit 9c79953). A state is decoded by multiplying with the inverse of its power-of-two scale,
 the same number as the division.
 tests/test_gpu.py compares the states it writes with the compiled update's (with and without FAST). Nearest
 rounding only: stochastic rounding (nanotron-r2), non-contiguous tensors and CPUs keep the torch formulas
@@ -48,7 +48,7 @@ ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter: no PTX
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program, warps per program
 STAGES = 3  # blocks in flight per program (Triton's pipeliner); the best of 1-3 on an H100
-FAST = True  # approximate sqrt and division in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
+FAST = True  # approximate sqrt and reciprocal in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 
 if triton is not None:
     import triton.language as tl
@@ -292,7 +292,7 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
     the FP8 ones under mixed scales), then the writes; one pass where every scale is bounded (kinds[5] == "bound")."""
     flags, maxes, buf = _prepare(items, lr, beta1, beta2, kinds)
     bounded = kinds[5] != "amax"
-    table = bound_table(items, lr, beta1, beta2, kinds) if bounded else buf  # amax scales: a row never read
+    table = bound_table(items, lr, beta1, beta2, kinds) if bounded else buf  # amax scales: a row loaded, never used
     exact = {f"AMAX_{n}": flags[f"{n}_SCALED"] and from_amax(k, kinds[5]) for n, k in zip("MVW", kinds[:3])}
     from_master, own = kinds[2] != "none", kinds[4]
     coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
