@@ -2,7 +2,7 @@
 
 For each recipe, LowbitAdamW is built once as `lowbit bench optim` builds it; then each configuration of
 src/lowbit/optim/update_kernel.py (elements per load, loads per program, warps, blocks in flight through Triton's
-pipeliner, approximate sqrt and reciprocal in the weight's step) times `step()` alone and ten steps back to back
+pipeliner, approximate sqrt and reciprocal in the weight's step, the weights' scale certified by bounds) times `step()` alone and ten steps back to back
 (the kernels' time when the host launches ahead). GB/s counts the bytes the update must move (bench optim's
 `update_bytes`). The first row of each recipe after the baseline (an earlier update_kernel.py timed on the same
 build, where --baseline names one) is the configuration the library shipped when the sweep ran; the note under
@@ -32,11 +32,13 @@ from lowbit.tools.bench.layers import preset_args
 from lowbit.tools.bench.optim import fill_grads, update_bytes
 from lowbit.tools.bench.step import build
 
-# (elements per load, loads per program, warps, stages, approximate math): 8 or 4 elements per thread, pipelined
-CONFIGS = [(2048, 8, 8, 3, True), (1024, 16, 8, 3, True), (1024, 16, 4, 3, True), (2048, 8, 8, 2, True),
-           (512, 32, 4, 3, True), (1024, 16, 8, 1, True), (2048, 16, 8, 3, True), (4096, 8, 16, 3, True),
-           (1024, 8, 4, 2, True), (2048, 8, 8, 1, True), (2048, 8, 8, 1, False)]
-KNOBS = ("BLOCK", "ITERS", "WARPS", "STAGES", "FAST")
+# (elements per load, loads per program, warps, stages, approximate math, certified weight scales): 8 or 4
+# elements per thread, pipelined
+CONFIGS = [(2048, 8, 8, 3, True, True), (2048, 8, 8, 3, True, False), (1024, 16, 8, 3, True, True),
+           (1024, 16, 4, 3, True, True), (2048, 8, 8, 2, True, True), (512, 32, 4, 3, True, True),
+           (1024, 16, 8, 1, True, True), (2048, 16, 8, 3, True, True), (4096, 8, 16, 3, True, True),
+           (1024, 8, 4, 2, True, True), (2048, 8, 8, 1, True, True), (2048, 8, 8, 1, False, True)]
+KNOBS = ("BLOCK", "ITERS", "WARPS", "STAGES", "FAST", "CERTIFY")
 
 
 def moved_bytes(opt) -> int:
@@ -82,16 +84,18 @@ def sweep(recipe: str, preset: str, hbm: float | None, baseline: str | None = No
             update_kernel.update = old.update
             try:
                 rows.append(timed(opt, moved, hbm, recipe=recipe, block=old.BLOCK, iters=old.ITERS,
-                                  warps=old.WARPS, stages=1, fast=old.FAST, kernels=baseline))
+                                  warps=old.WARPS, stages=1, fast=old.FAST, certify=False, kernels=baseline))
             finally:
                 update_kernel.update = current
+                for record in opt._amax.values():  # the earlier kernels wrote states without recording them
+                    record.zero_()
         try:
             for config in configs:
                 for k, value in zip(KNOBS, config):
                     setattr(update_kernel, k, value)
-                block, iters, warps, stages, fast = config
+                block, iters, warps, stages, fast, certify = config
                 rows.append(timed(opt, moved, hbm, recipe=recipe, block=block, iters=iters, warps=warps,
-                                  stages=stages, fast=fast))
+                                  stages=stages, fast=fast, certify=certify))
         finally:
             for k, value in zip(KNOBS, default):
                 setattr(update_kernel, k, value)
@@ -108,23 +112,26 @@ def cells(r: dict) -> dict:
     shape = f"{r['block']} x {r['iters']}, {r['warps']} warps, {r.get('stages', 1)} in flight"
     if r.get("kernels"):  # an earlier update_kernel.py's row
         shape += f" ({Path(r['kernels']).stem})"
-    return dict(recipe=r["recipe"], shape=shape, math=math(r["fast"]),
+    return dict(recipe=r["recipe"], shape=shape, math=math(r["fast"]), certify="yes" if r.get("certify") else "no",
                 ms=f"{r['ms']:.1f}", b2b=f"{r['ms_back_to_back']:.1f}", gbs=f"{r['gb_per_s']:,.0f}",
                 hbm=f"{r['hbm_pct']:.1f}" if "hbm_pct" in r else "")
 
 
 COLUMNS = [("recipe", "optimizer update, Triton kernels"),
            ("shape", "elements per load x loads, warps, blocks in flight"),
-           ("math", "sqrt and division in the weight's step"), ("ms", "ms (step alone)"),
+           ("math", "sqrt and division in the weight's step"),
+           ("certify", "weights' scale certified (amax scales)"), ("ms", "ms (step alone)"),
            ("b2b", "ms back to back"), ("gbs", "GB/s"), ("hbm", "% of HBM")]
-NOTE = ("The library ships {block} x {iters}, {warps} warps, {stages} in flight, {math} math (update_kernel.BLOCK, "
-        "ITERS, WARPS, STAGES, FAST). "
+NOTE = ("The library ships {block} x {iters}, {warps} warps, {stages} in flight, {math} math, weights' scales "
+        "{certify} (update_kernel.BLOCK, ITERS, WARPS, STAGES, FAST, CERTIFY). "
+        "Certified: under amax scales, the weights' amax pass skipped where bounds fix their scale (the same bytes). "
         "GB/s: the bytes the update must move (bench optim's measure) over the back-to-back time.")
 
 
 def note() -> str:
     k = update_kernel
-    return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, stages=k.STAGES, math=math(k.FAST))
+    return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, stages=k.STAGES, math=math(k.FAST),
+                       certify="certified where bounds fix them" if k.CERTIFY else "from their amax")
 
 
 def save(out: str, meta: dict, rows: list[dict]) -> None:

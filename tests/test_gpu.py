@@ -933,3 +933,41 @@ def test_bounded_and_mixed_scales_step_as_amax_scales_do_over_steps_on_gpu(scale
     assert lower > 0
     if graphs:  # a failed capture only warns and runs eagerly: the replayed update is what was compared
         assert opts[1]._graphed[("update", ref[0].device)].graph is not None
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_certified_weight_scales_write_what_the_weights_amax_pass_writes_on_gpu(graphs, monkeypatch):
+    """fp8lm-o2 under amax scales on the GPU path (Triton kernels, CUDA graphs replayed or not), twelve steps with
+    a gradient spike at step 6: with the weights' scale certified where bounds fix it (update_kernel.CERTIFY,
+    the default) every state, scale and amax record is bit for bit the one the weights' amax pass gives, and
+    after the first step most scales were certified."""
+    from lowbit.optim import LowbitAdamW, StatePrecision, update_kernel
+
+    prec = StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+    shapes = ((768, 3072), (3072, 768))
+    ran = []
+    real = update_kernel.update
+    monkeypatch.setattr(update_kernel, "update", lambda *a: ran.append(real(*a)[:, 12].sum().item()) or None)
+
+    def run(certify: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(update_kernel, "CERTIFY", certify)
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+        opt = LowbitAdamW(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, precision=prec, cuda_graphs=graphs)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(12):
+            grads = [torch.randn(s, device="cuda", generator=g) * (30 if step == 6 else 1) for s in shapes]
+            sum((p.float() * gr).sum() for p, gr in zip(ps, grads)).backward()
+            opt.step()
+            opt.zero_grad()
+        if graphs:
+            assert opt._graphed[("update", ps[0].device)].graph is not None
+        return [t.clone() for p in ps for t in (*opt.state[p].values(), p._data, p._scale, opt._amax[p])]
+
+    full = run(False)
+    ran.clear()
+    for a, b in zip(full, run(True), strict=True):
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    if not graphs:  # eager: every step's update called from Python, one call per chunk
+        assert 0 < sum(ran) < len(ran) / 2, ran
+

@@ -923,6 +923,88 @@ def test_update_kernels_write_what_the_torch_update_writes_under_the_interpreter
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
+CERTIFIED_CHECK = """
+import torch
+from lowbit.optim import update_kernel as uk, LowbitAdamW, StatePrecision
+
+ran = []
+
+
+def stepped(prec, certify, lr):
+    uk.CERTIFY = certify
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in ((96, 70), (40, 96))]
+    opt = LowbitAdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.1, precision=prec)
+    opt._amax.update({p: torch.zeros(3) for p in params})  # the records a GPU's optimizer keeps
+    g = torch.Generator().manual_seed(1)
+    for step in range(10):  # from the third step on, the kernels as a GPU's compiled update calls them
+        if step == 2:
+            opt._fn = lambda fn, device, numel=0: lambda items, lr, b1, b2, eps, kinds, span=None: \\
+                ran.append(uk.update(items, lr, b1, b2, eps, kinds)[:, 12].tolist())
+        sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
+        opt.step()
+        opt.zero_grad()
+    out = []
+    for p in params:
+        st = opt.state[p]
+        out += [st[k] for k in sorted(st)] + ([p._data, p._scale] if hasattr(p, "_data") else [p]) + [opt._amax[p]]
+    return out
+
+
+for weights, master in (("fp16", "none"), ("bf16", "fp16")):
+    prec = StatePrecision(weights=weights, master=master, grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
+    for lr in (1e-3, 3e-2):
+        ran.clear()
+        full = stepped(prec, False, lr)
+        assert not any(any(r) for r in ran)  # no weights' amax pass apart from pass one
+        ran.clear()
+        for a, b in zip(full, stepped(prec, True, lr)):
+            assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), (weights, lr)
+        passes = sum(sum(r) for r in ran)
+        print(weights, lr, "weights' amax passes", passes, "of", sum(len(r) for r in ran))
+        assert all(r == [1.0] * len(r) for r in ran[:len(ran) // 8])  # the first kernel step: no record yet
+        assert 0 < passes < sum(len(r) for r in ran) if lr == 1e-3 else passes > 2, ran
+print("ok")
+"""
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
+def test_certified_weight_scales_write_the_bytes_the_weights_amax_pass_writes():
+    """Amax scales as the Triton update runs them on a GPU: where bounds from the record of the stored weights'
+    amax and pass one's largest step fix the weights' new scale, their amax pass reads nothing. Eight steps of
+    fp8lm-o2 and fp8lm-o3 under Triton's CPU interpreter write every state, scale and record bit for bit as with
+    the amax pass always run, at a learning rate where most scales are fixed (not the first: no record) and one
+    where many are not."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "check.py")  # a file: triton.jit reads its functions' source
+        with open(script, "w") as f:
+            f.write(CERTIFIED_CHECK)
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_an_update_outside_the_kernels_leaves_no_amax_record_behind():
+    """A chunk the Triton update does not take (here: a CPU) is written by the compiled passes, which keep no
+    record of the written amaxes: under amax scales its records are zeroed, so no stale one fixes a scale."""
+    from lowbit.optim import update_kernel as uk
+
+    rec = [torch.full((3,), 5.0), torch.full((3,), 7.0)]
+    items = [(torch.ones(4),) * 13 + (r,) for r in rec]
+    kinds = ("e4m3", "fp16", "fp16", "nearest", True, "amax")
+    called = []
+    uk.with_fallback(lambda *a: called.append(1))(items, torch.tensor(1e-3), 0.9, 0.95, 1e-8, kinds)
+    assert called and all(not r.any() for r in rec)
+    rec[0].fill_(5.0)
+    uk.with_fallback(lambda *a: None)(items, torch.tensor(1e-3), 0.9, 0.95, 1e-8, kinds[:5] + ("mixed",))
+    assert rec[0][0] == 5.0  # bounded and mixed scales' records are the compiled passes' own
+
+
 @pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("scales", ["amax", "bound", "mixed"])
 @pytest.mark.parametrize("stages", [1, 3])
@@ -939,21 +1021,23 @@ def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages):
 
     flags = dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_SCALED=True, FAST=True, BLOCK=2048, ITERS=8,
                  STAGES=stages)
-    amax = dict(AMAX_M=True, AMAX_V=scales == "amax", AMAX_W=scales == "amax")
-    if scales == "bound":
-        amax["AMAX_M"] = False
+    amax = dict(AMAX_M=scales != "bound", AMAX_V=scales == "amax", AMAX_W=scales == "amax")
+    cert = scales == "amax"  # amax scales as fp8lm-o2 runs them: the weights' scale certified where it can be
     ptrs = ["*fp8e4nv", "*fp8e4nv", "*fp16", "*fp16"]
-    write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
-             dict(flags, **amax, M_MAX=448.0, V_MAX=65504.0, W_MAX=65504.0, WRITE_P=False, TRACK=scales != "amax"))
-    kernels_ = [write] + ([(uk._amax_kernel, ptrs + ["*fp32"] * 6 + ["i32"] + ["fp32"] * 5, dict(flags, **amax))]
-                          if any(amax.values()) else [])
+    write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 8 + ["i32"] + ["fp32"] * 5,
+             dict(flags, **amax, M_MAX=448.0, V_MAX=65504.0, W_MAX=65504.0, WRITE_P=False, CERT=cert, TRACK=True))
+    passes = [dict(amax, AMAX_W=False, STEP_W=True, CERT=False),  # pass one: the weights not read
+              dict(AMAX_M=False, AMAX_V=False, AMAX_W=True, STEP_W=False, CERT=True)] if cert else \
+        [dict(amax, STEP_W=False, CERT=False)] if amax["AMAX_M"] else []
+    kernels_ = [write] + [(uk._amax_kernel, ptrs + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
+                           dict(flags, **f, W_MAX=65504.0)) for f in passes]
     for fn, types, constants in kernels_:
         signature = {**dict(zip(fn.arg_names, types)), **{k: "constexpr" for k in constants}}
         attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*") or t == "i32"}
         src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs)
         built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ptx = built.asm["ptx"]
-        if fn is uk._write_kernel or constants["AMAX_W"]:
+        if fn is uk._write_kernel or constants["AMAX_W"] or constants["STEP_W"]:
             assert "sqrt.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx
             assert "div.full.f32" not in ptx
         if fn is uk._write_kernel and stages == 1:

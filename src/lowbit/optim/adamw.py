@@ -384,7 +384,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         self._compile = compile
         self._compiled: dict[str, object] = {}
         self._placeholder: dict[torch.device, torch.Tensor] = {}
-        self._amax: dict[torch.Tensor, torch.Tensor] = {}  # bounded and mixed scales: each parameter's states' last amaxes
+        self._amax: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's states' last amaxes (see _items)
         self.cuda_graphs = cuda_graphs  # on a GPU: the update and the stored norms replayed (lowbit.optim.graphs)
         self._graphed: dict[tuple, Graphed] = {}  # (what, device) -> its graph
         self._lr: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -608,8 +608,10 @@ class LowbitAdamW(torch.optim.Optimizer):
             bias = _bias(st["step"], beta1, beta2) if device.type == "cpu" else None
             item = (w, *grad, st["exp_avg"], st["exp_avg_scale"], st["exp_avg_sq"], st["exp_avg_sq_scale"],
                     *master, st["step"], wd, bias)
-            if kinds[5] != "amax" and p not in self._amax:
+            if p not in self._amax and kinds[5] != "amax":
                 self._amax[p] = stored_amaxes(kinds, *item[4:10])
+            elif p not in self._amax and device.type == "cuda":  # amax scales: the Triton update's (0: unknown)
+                self._amax[p] = torch.zeros(3, device=device)
             items.append(item + (self._amax.get(p, none),))
         return items
 

@@ -48,21 +48,27 @@ ENABLED = KERNELS and os.environ.get("LOWBIT_TRITON_UPDATE", "1") != "0"
 INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU interpreter: no PTX
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program, warps per program
 STAGES = 3  # blocks in flight per program (Triton's pipeliner); the best of 1-3 on an H100
+CERTIFY = True  # amax scales: the weights' scale from bounds where they fix it (`_certified`)
+COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: weights' amax passes run, tensors updated (certified)
+SLACK = 2.0 ** -16  # _certified's relative widening of its bounds: many fp32 roundings
 FAST = True  # approximate sqrt and reciprocal in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 
 if triton is not None:
     import triton.language as tl
 
+    _SLACK = tl.constexpr(SLACK)
+
     @triton.jit
-    def _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, VW: tl.constexpr):
-        """The stored gradient and first moment at offs and, with VW, the second moment and weights: every load
-        issued before any math (in the math's order the weights' load sank below the moments' math, a second
+    def _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, V: tl.constexpr, W: tl.constexpr):
+        """The stored gradient and first moment at offs and, with V and W, the second moment and the weights: every
+        load issued before any math (in the math's order the weights' load sank below the moments' math, a second
         wait on memory per block)."""
         g = tl.load(g_ptr + offs, mask=mask, other=0.0)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v, w = g, g
-        if VW:
+        if V:
             v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if W:
             w = tl.load(w_ptr + offs, mask=mask, other=0.0)
         return g, m, v, w
 
@@ -100,22 +106,30 @@ if triton is not None:
             return tl.fdiv(1.0, x)
 
     @triton.jit
-    def _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED: tl.constexpr,
-               M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, FAST: tl.constexpr,
-               ASM: tl.constexpr = not INTERPRETED):
-        """adamw._fresh on _loads' values: the new moments and weights in fp32 (lerp with weight < 0.5 as torch
-        computes it). ig..iw: the inverse scales; step_size: lr / bc1, once per program."""
+    def _moments(g, m, v, ig, im, iv, beta2, w1, w2, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+                 V_SCALED: tl.constexpr):
+        """The new moments in fp32 (lerp with weight < 0.5 as torch computes it)."""
         g, m = _first(g, m, ig, im, w1, G_SCALED, M_SCALED)
         v = _value(v, iv, V_SCALED) * beta2
-        v = v + (w2 * g) * g
-        w = _value(w, iw, W_SCALED) * (1.0 - lr * wd)
-        if FAST:  # approximate square root and reciprocal (a few ulp): the weight's step only, m and v unchanged
+        return m, v + (w2 * g) * g
+
+    @triton.jit
+    def _step(m, v, step_size, bc2, eps, FAST: tl.constexpr, ASM: tl.constexpr = not INTERPRETED):
+        """AdamW's step of the weights, lr m^ / (sqrt(v^) + eps), from the new moments; with FAST, approximate
+        square root and reciprocal (a few ulp of the step)."""
+        if FAST:
             denom = _approx(v, "sqrt", ASM) * tl.math.div_rn(1.0, bc2) + eps
-            w = w - (step_size * m) * _approx(denom, "rcp", ASM)
-        else:
-            denom = tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps
-            w = w - tl.math.div_rn(step_size * m, denom)
-        return m, v, w
+            return (step_size * m) * _approx(denom, "rcp", ASM)
+        return tl.math.div_rn(step_size * m, tl.math.div_rn(tl.math.sqrt_rn(v), bc2) + eps)
+
+    @triton.jit
+    def _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED: tl.constexpr,
+               M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, FAST: tl.constexpr):
+        """adamw._fresh on _loads' values: the new moments and weights in fp32. ig..iw: the inverse scales;
+        step_size: lr / bc1, once per program."""
+        m, v = _moments(g, m, v, ig, im, iv, beta2, w1, w2, G_SCALED, M_SCALED, V_SCALED)
+        w = _value(w, iw, W_SCALED) * (1.0 - lr * wd)
+        return m, v, w - _step(m, v, step_size, bc2, eps, FAST)
 
     @triton.jit
     def _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr):
@@ -137,14 +151,21 @@ if triton is not None:
         return tl.max(tl.where(acc != acc, float("inf"), acc), axis=0)
 
     @triton.jit
-    def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n,
+    def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, rec_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
-                     AMAX_W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
-                     STAGES: tl.constexpr):
-        """Pass one: the amaxes of the new states AMAX_* names into buf[0:3]; the first moment's alone reads only
-        the gradient and the old moment."""
+                     AMAX_W: tl.constexpr, STEP_W: tl.constexpr, CERT: tl.constexpr, W_MAX: tl.constexpr,
+                     BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
+        """Pass one: the amaxes of the new states AMAX_* names into buf[0:3] and with STEP_W the largest weight
+        step into buf[11]; the first moment's alone reads only the gradient and the old moment, and without
+        AMAX_W the weights are not read. CERT: the weights' amax pass after one with STEP_W, which reads nothing
+        where `_certified` fixes their scale (buf[12]: 1 where it ran)."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
+        if CERT:
+            ok, _ = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
+            n = tl.where(ok, 0, n)  # every load masked off: no traffic
+            if tl.program_id(0) == 0:
+                tl.store(buf_ptr + 12, tl.where(ok, 0.0, 1.0))
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -152,16 +173,19 @@ if triton is not None:
         for i in tl.range(0, ITERS, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, AMAX_V or AMAX_W)
-            if AMAX_V or AMAX_W:
+            g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, AMAX_V or AMAX_W or STEP_W, AMAX_W)
+            if AMAX_W:
                 m, v, w = _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED,
                                  M_SCALED, V_SCALED, W_SCALED, FAST)
-                if AMAX_V:
-                    av = _larger(av, v, mask)
-                if AMAX_W:
-                    aw = _larger(aw, w, mask)
+                aw = _larger(aw, w, mask)
+            elif AMAX_V or STEP_W:
+                m, v = _moments(g, m, v, ig, im, iv, beta2, w1, w2, G_SCALED, M_SCALED, V_SCALED)
+                if STEP_W:  # the weights' step alone, the same operations as _fresh's (see _certified)
+                    aw = _larger(aw, _step(m, v, step_size, bc2, eps, FAST), mask)
             else:
                 _, m = _first(g, m, ig, im, w1, G_SCALED, M_SCALED)
+            if AMAX_V:
+                av = _larger(av, v, mask)
             if AMAX_M:
                 am = _larger(am, m, mask)
         if AMAX_M:
@@ -170,6 +194,24 @@ if triton is not None:
             tl.atomic_max(buf_ptr + 1, _amax(av))
         if AMAX_W:
             tl.atomic_max(buf_ptr + 2, _amax(aw))
+        if STEP_W:
+            tl.atomic_max(buf_ptr + 11, _amax(aw))
+
+    @triton.jit
+    def _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX: tl.constexpr):
+        """Whether the weights' new scale is known without their amax pass, and that scale. Each new weight is
+        a - b, a = w (1 - lr wd), b the step: with A the largest |a| (the record of the largest stored weight,
+        times 1 - lr wd: rounding is monotonic) and B the largest |b| (STEP_W's), the new amax lies in
+        [A - B, A + B], widened by SLACK for fp32 roundings the two kernels may fuse apart. Where both ends take
+        the same power-of-two scale, so does the amax (_pow2 is monotonic): the scale the amax pass would give,
+        and the weights written the same. A record of 0 (none yet, or stale: see `update`) fixes nothing."""
+        a = tl.load(rec_ptr + 2) * (1.0 - lr * wd)
+        b = tl.load(buf_ptr + 11)
+        slack = (a + b) * _SLACK
+        hi, lo = a + b + slack, a - b - slack
+        old = tl.load(ws_ptr)
+        s = _pow2(hi, old, W_MAX)
+        return (lo > 0) & (hi < float("inf")) & (s == _pow2(lo, old, W_MAX)), s
 
     @triton.jit
     def _pow2(amax, old, FMAX: tl.constexpr):
@@ -203,12 +245,12 @@ if triton is not None:
         return tl.where(a < float("inf"), r, a)
 
     @triton.jit
-    def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr,
-                      n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+    def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, rec_ptr,
+                      new_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                       V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
                       W_MAX: tl.constexpr, WRITE_P: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
-                      AMAX_W: tl.constexpr, TRACK: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                      FAST: tl.constexpr, STAGES: tl.constexpr):
+                      AMAX_W: tl.constexpr, CERT: tl.constexpr, TRACK: tl.constexpr, BLOCK: tl.constexpr,
+                      ITERS: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
         """The writes, every kind of scales: the states written with the scales at new_ptr (m, v, w), or for a
         state AMAX_* names, the scale of its amax that _amax_kernel left in buf (kept at buf[4:7]). TRACK: the
         amaxes of what is written into buf[8:11] by atomic max (bounded and mixed scales' record). After a pass
@@ -221,6 +263,9 @@ if triton is not None:
             nv = _pow2(tl.load(buf_ptr + 1), tl.load(vs_ptr), V_MAX)
         if AMAX_W:
             nw = _pow2(tl.load(buf_ptr + 2), tl.load(ws_ptr), W_MAX)
+            if CERT:
+                ok, fixed = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
+                nw = tl.where(ok, fixed, nw)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -235,7 +280,7 @@ if triton is not None:
         for i in tl.range(0, ITERS, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
-            g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, True)
+            g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, True, True)
             m, v, w = _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED,
                              M_SCALED, V_SCALED, W_SCALED, FAST)
             sm, sv, sw = _in_range(m, nm, M_SCALED, M_MAX), _in_range(v, nv, V_SCALED, V_MAX), \
@@ -275,38 +320,43 @@ def supported(items: list[tuple], kinds) -> bool:
 def _prepare(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, kinds):
     """The per-call constants of a chunk: the kernels' flags and ranges, and a buffer per item (amaxes, then the
     bias corrections adamw._bias computes at [3] and [7], the new scales at [4:7], the written states' amaxes at
-    [8:11] under bounded and mixed scales; [11] unused)."""
+    [8:11] under bounded and mixed scales and where kept; [11] the largest weight step and [12] 1 where the
+    weights' amax pass ran, with certified scales; [13:16] unused)."""
     k_m, k_v, k_master = kinds[:3]
     from_master = k_master != "none"
     flags = dict(M_SCALED=_scaled(k_m), V_SCALED=_scaled(k_v), W_SCALED=_scaled(k_master))
     maxes = dict(M_MAX=KINDS[k_m][2], V_MAX=KINDS[k_v][2], W_MAX=KINDS[k_master][2] if from_master else 1.0)
-    buf = torch.zeros(len(items), 12, device=lr.device)
+    buf = torch.zeros(len(items), 16, device=lr.device)
     t = torch.stack([item[10] for item in items]) + 1
     buf[:, 3], buf[:, 7] = 1 - beta1 ** t, torch.sqrt(1 - beta2 ** t)
     return flags, maxes, buf
 
 
-def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps: float, kinds) -> None:
+def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps: float, kinds) -> torch.Tensor:
     """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place: per tensor
     an amax pass for the states whose new scale comes from their new amax (every scaled state under amax scales,
-    the FP8 ones under mixed scales), then the writes; one pass where every scale is bounded (kinds[5] == "bound")."""
+    the FP8 ones under mixed scales), then the writes; one pass where every scale is bounded (kinds[5] == "bound").
+    Amax scales with a record of the stored weights' amax (item[13], `kept`)
+    read no weights in pass one where `_certified` fixes their scale. Returns the chunk's buffer (_prepare's)."""
     flags, maxes, buf = _prepare(items, lr, beta1, beta2, kinds)
     bounded = kinds[5] != "amax"
     table = bound_table(items, lr, beta1, beta2, kinds) if bounded else buf  # amax scales: a row loaded, never used
     exact = {f"AMAX_{n}": flags[f"{n}_SCALED"] and from_amax(k, kinds[5]) for n, k in zip("MVW", kinds[:3])}
+    keep = exact["AMAX_W"] and kept(items)  # amax scales: the written states' amaxes recorded for _certified
+    cert = keep and CERTIFY
     from_master, own = kinds[2] != "none", kinds[4]
     coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
     scales, news, steps = [], [], []
     with torch.cuda.device(lr.device) if lr.is_cuda else contextlib.nullcontext():  # Triton's interpreter: CPU
-        for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _, _) in enumerate(items):
+        for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _, rec) in enumerate(items):
             n = g.numel()
-            args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i])
+            args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i], rec if cert else buf[i])
             consts = dict(G_SCALED=_scaled(g_kind), **flags, **maxes, WRITE_P=from_master and not own)
             if any(exact.values()):
-                _pass_one(args, n, wd, coef, consts, exact)
-            _write_kernel[(triton.cdiv(n, BLOCK * ITERS),)](*args, table[i], n, wd, **coef, **consts, **exact,
-                                                            TRACK=bounded, BLOCK=BLOCK, ITERS=ITERS, FAST=FAST,
-                                                            STAGES=STAGES, num_warps=WARPS)
+                _pass_one(args, n, wd, coef, consts, exact, cert)
+            _write_kernel[_grid(n)](*args, table[i], n, wd, **coef, **consts, **exact, CERT=cert,
+                                    TRACK=bounded or keep, BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES,
+                                    num_warps=WARPS)
             for j, (name, s) in enumerate((("m", ms), ("v", vs), ("w", ws))):
                 if flags[f"{name.upper()}_SCALED"]:
                     scales.append(s)
@@ -314,18 +364,46 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
             steps.append(step)
     if scales:
         torch._foreach_copy_(scales, news)
-    if bounded:
+    if cert:
+        _count(buf[:, 12], len(items))
+    if bounded or keep:
         torch._foreach_copy_([item[13] for item in items], list(buf[:, 8:11].unbind(0)))
     torch._foreach_add_(steps, 1)
+    return buf
 
 
-def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict) -> None:
-    """The amaxes of the new states `amax` names (AMAX_M, AMAX_V, AMAX_W) into the item's buffer."""
+def _count(ran: torch.Tensor, n: int) -> None:
+    """COUNTS: the weights' amax passes `ran` (1 each) and the tensors updated, on the device (a CUDA graph replays
+    the additions)."""
+    counts = COUNTS.get(ran.device)
+    if counts is None:
+        counts = COUNTS[ran.device] = torch.zeros(2, device=ran.device)
+    counts[0] += ran.sum()
+    counts[1] += n
+
+
+def _grid(n: int) -> tuple[int]:
+    return (triton.cdiv(n, BLOCK * ITERS),)
+
+
+def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, cert: bool) -> None:
+    """The amaxes of the new states `amax` names (AMAX_M, AMAX_V, AMAX_W) into the item's buffer; with `cert`,
+    pass one reads no weights (the largest step instead of their amax), and their amax pass runs only where
+    `_certified` does not fix their scale."""
     g, m, v, w, p, *scale_args = args
-    flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED")}
-    _amax_kernel[(triton.cdiv(n, BLOCK * ITERS),)](g, m, v, w, *scale_args, n, wd, **coef, **flags, **amax,
-                                                   BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES,
-                                                   num_warps=WARPS)
+    flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED", "W_MAX")}
+    run = dict(BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES, num_warps=WARPS)
+    first = dict(amax, AMAX_W=amax["AMAX_W"] and not cert, STEP_W=cert)
+    _amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, **first, CERT=False, **run)
+    if cert:
+        _amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, AMAX_M=False, AMAX_V=False,
+                               AMAX_W=True, STEP_W=False, CERT=True, **run)
+
+
+def kept(items: list[tuple]) -> bool:
+    """Whether every item of the chunk has its own record of its states' amaxes (a 1-d item[13]; LowbitAdamW keeps
+    one under amax scales on a CUDA device): the writes keep it, the other updates zero it (`with_fallback`)."""
+    return all(item[13].dim() == 1 for item in items)
 
 
 def available() -> bool:
@@ -351,5 +429,7 @@ def with_fallback(fallback):
             update(items, lr, beta1, beta2, eps, kinds)
         else:
             fallback(items, lr, beta1, beta2, eps, kinds, span)
+            if kinds[5] == "amax" and kept(items):  # states written without their amaxes recorded: unknown now
+                torch._foreach_zero_([item[13] for item in items])
     return call
 

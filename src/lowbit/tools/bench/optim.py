@@ -62,6 +62,14 @@ def _paths(vs, update: str):
             yield v, path
 
 
+def _passes(device: torch.device) -> dict:
+    """The share of tensor updates that ran the weights' amax pass (update_kernel.COUNTS), where the Triton update
+    certified scales."""
+    counts = update_kernel.COUNTS.get(torch.device(device.type, torch.cuda.current_device())) \
+        if device.type == "cuda" else None
+    return {"w_amax_pct": 100 * counts[0].item() / counts[1].item()} if counts is not None and counts[1] else {}
+
+
 def run_optim(a, device: torch.device, report: Report) -> None:
     what = f"one {a.shape[0]}x{a.shape[1]} weight" if a.shape else f"`{a.preset}`'s parameters"
     mode = {True: "compiled", False: "eager", None: "compiled on a GPU and for large CPU tensors"}[a.compile]
@@ -70,7 +78,7 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                             ("covered_pct", "covered %", ".1f"), ("bytes_per_param", "bytes/param moved", ".2f"),
                             ("ms", "ms/step (median)", ".2f"), ("gb_per_s", "GB/s", ",.1f"),
                             ("hbm_pct", "% of HBM", ".1f"), ("vs_fp32_adamw", "ms vs fp32 AdamW", ".2f"),
-                            ("first_step_s", "first step s", ".1f")]))
+                            ("w_amax_pct", "weights' amax passes %", ".1f"), ("first_step_s", "first step s", ".1f")]))
     hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in device_name(device)), None) \
         if device.type == "cuda" else None
     for v, path in _paths(variants(a.recipe_list, []), a.update):
@@ -91,7 +99,9 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                 t0 = time.perf_counter()
                 opt.step()
                 row["first_step_s"] = time.perf_counter() - t0
+                update_kernel.COUNTS.clear()
                 row.update(time_ms(opt.step, device, a.steps, a.warmup))
+                row.update(_passes(device))
             row.update(params_m=total / 1e6, covered_pct=100 * covered / total, bytes_per_param=moved / total,
                        gb_per_s=moved / (row["ms"] / 1e3) / 1e9)
             if hbm:
@@ -110,8 +120,11 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                    "for the parameters it does not cover, and torchao's). bytes/param moved: what the update must "
                    "read and write at the recipe's storage, averaged over covered and fp32 parameters"
                    + (f"; % of HBM against {hbm / 1e12:.1f} TB/s" if hbm else "")
-                   + ". The lowbit update reads its inputs twice (amaxes, then the writes), once with "
+                   + ". The lowbit update reads its inputs twice (amaxes, then the writes; the Triton kernels' "
+                   "first pass skips the weights where their scale is certified), once with "
                    "optim.scales=bound, and with optim.scales=mixed the FP8 gradient and first moment twice "
                    "(their amax pass), the rest once; (compiled): its passes by torch.compile, (Triton): "
-                   "src/lowbit/optim/update_kernel.py's kernels.")
+                   "src/lowbit/optim/update_kernel.py's kernels. weights' amax passes: under amax scales, the share of "
+                   "tensor updates whose weights' scale bounds did not fix (their amax pass ran; fill_grads' "
+                   "gradients, the same every step).")
     report.save(complete=False)
