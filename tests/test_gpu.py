@@ -947,7 +947,8 @@ def test_certified_weight_scales_write_what_the_weights_amax_pass_writes_on_gpu(
     shapes = ((768, 3072), (3072, 768))
     ran = []
     real = update_kernel.update
-    monkeypatch.setattr(update_kernel, "update", lambda *a: ran.append(real(*a)[:, 12].sum().item()) or None)
+    if not graphs:  # eager: every step's update called from Python (a capture cannot read a tensor back)
+        monkeypatch.setattr(update_kernel, "update", lambda *a: ran.append(real(*a)[:, 12].sum().item()) or None)
 
     def run(certify: bool) -> list[torch.Tensor]:
         monkeypatch.setattr(update_kernel, "CERTIFY", certify)
@@ -968,6 +969,6 @@ def test_certified_weight_scales_write_what_the_weights_amax_pass_writes_on_gpu(
     ran.clear()
     for a, b in zip(full, run(True), strict=True):
         assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-    if not graphs:  # eager: every step's update called from Python, one call per chunk
+    if not graphs:  # one call per chunk
         assert 0 < sum(ran) < len(ran) / 2, ran
 

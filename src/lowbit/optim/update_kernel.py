@@ -161,16 +161,17 @@ if triton is not None:
         AMAX_W the weights are not read. CERT: the weights' amax pass after one with STEP_W, which reads nothing
         where `_certified` fixes their scale (buf[12]: 1 where it ran)."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
-        if CERT:
+        iters = ITERS
+        if CERT:  # no blocks at all where the scale is fixed (masked loads would still run the math)
             ok, _ = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
-            n = tl.where(ok, 0, n)  # every load masked off: no traffic
+            iters = tl.where(ok, 0, ITERS)
             if tl.program_id(0) == 0:
                 tl.store(buf_ptr + 12, tl.where(ok, 0.0, 1.0))
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
         base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-        for i in tl.range(0, ITERS, num_stages=STAGES):
+        for i in tl.range(0, iters, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, AMAX_V or AMAX_W or STEP_W, AMAX_W)
