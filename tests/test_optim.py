@@ -1026,18 +1026,20 @@ def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages):
     ptrs = ["*fp8e4nv", "*fp8e4nv", "*fp16", "*fp16"]
     write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 8 + ["i32"] + ["fp32"] * 5,
              dict(flags, **amax, M_MAX=448.0, V_MAX=65504.0, W_MAX=65504.0, WRITE_P=False, CERT=cert, TRACK=True))
-    passes = [dict(amax, AMAX_W=False, STEP_W=True, CERT=False),  # pass one: the weights not read
-              dict(AMAX_M=False, AMAX_V=False, AMAX_W=True, STEP_W=False, CERT=True)] if cert else \
-        [dict(amax, STEP_W=False, CERT=False)] if amax["AMAX_M"] else []
-    kernels_ = [write] + [(uk._amax_kernel, ptrs + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
-                           dict(flags, **f, W_MAX=65504.0)) for f in passes]
+    passes = [dict(amax, AMAX_W=False, STEP_W=True)] if cert else [dict(amax, STEP_W=False)] if amax["AMAX_M"] else []
+    kernels_ = [write] + [(uk._amax_kernel, ptrs + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5, dict(flags, **f))
+                          for f in passes]
+    if cert:  # the weights' amax pass where their scale is not certified
+        kernels_.append((uk._weights_amax_kernel, ptrs + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
+                         dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_MAX=65504.0, BLOCK=2048, ITERS=8,
+                              FAST=True)))
     for fn, types, constants in kernels_:
         signature = {**dict(zip(fn.arg_names, types)), **{k: "constexpr" for k in constants}}
         attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*") or t == "i32"}
         src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs)
         built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ptx = built.asm["ptx"]
-        if fn is uk._write_kernel or constants["AMAX_W"] or constants["STEP_W"]:
+        if fn is not uk._amax_kernel or constants["AMAX_W"] or constants["STEP_W"]:
             assert "sqrt.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx
             assert "div.full.f32" not in ptx
         if fn is uk._write_kernel and stages == 1:

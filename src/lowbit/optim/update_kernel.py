@@ -154,24 +154,17 @@ if triton is not None:
     def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, rec_ptr, n,
                      wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
-                     AMAX_W: tl.constexpr, STEP_W: tl.constexpr, CERT: tl.constexpr, W_MAX: tl.constexpr,
-                     BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
+                     AMAX_W: tl.constexpr, STEP_W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
+                     FAST: tl.constexpr, STAGES: tl.constexpr):
         """Pass one: the amaxes of the new states AMAX_* names into buf[0:3] and with STEP_W the largest weight
         step into buf[11]; the first moment's alone reads only the gradient and the old moment, and without
-        AMAX_W the weights are not read. CERT: the weights' amax pass after one with STEP_W, which reads nothing
-        where `_certified` fixes their scale (buf[12]: 1 where it ran)."""
+        AMAX_W the weights are not read."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
-        iters = ITERS
-        if CERT:  # no blocks at all where the scale is fixed (masked loads would still run the math)
-            ok, _ = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
-            iters = tl.where(ok, 0, ITERS)
-            if tl.program_id(0) == 0:
-                tl.store(buf_ptr + 12, tl.where(ok, 0.0, 1.0))
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
         base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
-        for i in tl.range(0, iters, num_stages=STAGES):
+        for i in tl.range(0, ITERS, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
             g, m, v, w = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, AMAX_V or AMAX_W or STEP_W, AMAX_W)
@@ -199,20 +192,48 @@ if triton is not None:
             tl.atomic_max(buf_ptr + 11, _amax(aw))
 
     @triton.jit
+    def _weights_amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, rec_ptr,
+                             n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+                             V_SCALED: tl.constexpr, W_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                             ITERS: tl.constexpr, FAST: tl.constexpr):
+        """The new weights' amax into buf[2] after a pass one with STEP_W, where `_certified` does not fix their
+        scale (buf[12]: 1 where it ran; no blocks at all where it does): it reads the weights, and the gradient
+        and moments only where a weight could be the largest new one (|a| at least `cut`: a few in a tensor)."""
+        ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
+        ok, fixed, cut = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
+        if tl.program_id(0) == 0:
+            tl.store(buf_ptr + 12, tl.where(ok, 0.0, 1.0))
+        aw = tl.zeros([BLOCK], dtype=tl.float32)
+        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+        for i in tl.range(0, tl.where(ok, 0, ITERS)):
+            offs = base + i * BLOCK + tl.arange(0, BLOCK)
+            mask = offs < n
+            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+            # not `>= cut`: a NaN weight or cut (a NaN or Inf record or step) is a candidate, as in the full pass
+            cand = mask & ~(tl.abs(_value(w, iw, True) * (1.0 - lr * wd)) < cut)
+            g, m, v, unused = _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, cand, True, False)
+            m, v, w = _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED,
+                             M_SCALED, V_SCALED, True, FAST)
+            aw = _larger(aw, w, cand)
+        tl.atomic_max(buf_ptr + 2, _amax(aw))
+
+    @triton.jit
     def _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX: tl.constexpr):
-        """Whether the weights' new scale is known without their amax pass, and that scale. Each new weight is
-        a - b, a = w (1 - lr wd), b the step: with A the largest |a| (the record of the largest stored weight,
-        times 1 - lr wd: rounding is monotonic) and B the largest |b| (STEP_W's), the new amax lies in
-        [A - B, A + B], widened by SLACK for fp32 roundings the two kernels may fuse apart. Where both ends take
-        the same power-of-two scale, so does the amax (_pow2 is monotonic): the scale the amax pass would give,
-        and the weights written the same. A record of 0 (none yet, or stale: see `update`) fixes nothing."""
+        """Whether the weights' new scale is known without their amax pass, that scale, and the |a| under which
+        a weight cannot be the largest new one. Each new weight is a - b, a = w (1 - lr wd), b the step: with A
+        the largest |a| (the record of the largest stored weight, times 1 - lr wd: rounding is monotonic) and B
+        the largest |b| (STEP_W's), the new amax lies in [A - B, A + B], widened by SLACK for fp32 roundings the
+        kernels may fuse apart. Where both ends take the same power-of-two scale, so does the amax (_pow2 is
+        monotonic): the scale the amax pass would give, so the weights are written the same. A weight with
+        |a| + B under A - B is not the largest. A record of 0 (none yet, or stale: see `update`) fixes nothing
+        and rules no weight out."""
         a = tl.load(rec_ptr + 2) * (1.0 - lr * wd)
         b = tl.load(buf_ptr + 11)
         slack = (a + b) * _SLACK
         hi, lo = a + b + slack, a - b - slack
         old = tl.load(ws_ptr)
         s = _pow2(hi, old, W_MAX)
-        return (lo > 0) & (hi < float("inf")) & (s == _pow2(lo, old, W_MAX)), s
+        return (lo > 0) & (hi < float("inf")) & (s == _pow2(lo, old, W_MAX)), s, lo - b - slack
 
     @triton.jit
     def _pow2(amax, old, FMAX: tl.constexpr):
@@ -265,7 +286,7 @@ if triton is not None:
         if AMAX_W:
             nw = _pow2(tl.load(buf_ptr + 2), tl.load(ws_ptr), W_MAX)
             if CERT:
-                ok, fixed = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
+                ok, fixed, _ = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
                 nw = tl.where(ok, fixed, nw)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
@@ -392,13 +413,13 @@ def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, cer
     pass one reads no weights (the largest step instead of their amax), and their amax pass runs only where
     `_certified` does not fix their scale."""
     g, m, v, w, p, *scale_args = args
-    flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED", "W_SCALED", "W_MAX")}
-    run = dict(BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES, num_warps=WARPS)
-    first = dict(amax, AMAX_W=amax["AMAX_W"] and not cert, STEP_W=cert)
-    _amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, **first, CERT=False, **run)
+    flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED")}
+    _amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, W_SCALED=consts["W_SCALED"],
+                           **dict(amax, AMAX_W=amax["AMAX_W"] and not cert), STEP_W=cert, BLOCK=BLOCK, ITERS=ITERS,
+                           FAST=FAST, STAGES=STAGES, num_warps=WARPS)
     if cert:
-        _amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, AMAX_M=False, AMAX_V=False,
-                               AMAX_W=True, STEP_W=False, CERT=True, **run)
+        _weights_amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, W_MAX=consts["W_MAX"],
+                                       BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, num_warps=WARPS)
 
 
 def kept(items: list[tuple]) -> bool:
