@@ -295,6 +295,8 @@ def _update_all(items: list[tuple], lr, beta1, beta2, eps, kinds, span=None) -> 
             else (None, None)  # bound: no pass before the writes
         new = merged(item, kinds, _new_scales(item, kinds, amax), b)
         _write(item, lr, beta1, beta2, eps, kinds, new, span, kept, record=bounded)
+        if not bounded and item[13].dim():  # a GPU's record for the Triton update (see _items): unknown now
+            item[13].zero_()
 
 
 def _amaxes_all(items: list[tuple], lr, beta1, beta2, eps, kinds) -> list:
