@@ -34,11 +34,11 @@ from lowbit.tools.bench.step import build
 
 # (elements per load, loads per program, warps, stages, approximate math, certified weight scales): 16, 8 or
 # 4 elements per thread, pipelined
-CONFIGS = [(2048, 8, 8, 3, True, True), (2048, 8, 8, 3, True, False), (4096, 4, 8, 3, True, True),
-           (4096, 8, 8, 2, True, True), (1024, 16, 8, 3, True, True),
+CONFIGS = [(2048, 8, 8, 3, True, True), (2048, 8, 8, 3, True, False), (1024, 16, 8, 3, True, True),
            (1024, 16, 4, 3, True, True), (2048, 8, 8, 2, True, True), (512, 32, 4, 3, True, True),
            (1024, 16, 8, 1, True, True), (2048, 16, 8, 3, True, True), (4096, 8, 16, 3, True, True),
-           (1024, 8, 4, 2, True, True), (2048, 8, 8, 1, True, True), (2048, 8, 8, 1, False, True)]
+           (1024, 8, 4, 2, True, True), (2048, 8, 8, 1, True, True), (2048, 8, 8, 1, False, True),
+           (4096, 4, 8, 3, True, True), (4096, 8, 8, 2, True, True)]
 KNOBS = ("BLOCK", "ITERS", "WARPS", "STAGES", "FAST", "CERTIFY")
 
 
