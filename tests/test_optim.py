@@ -989,6 +989,28 @@ def test_certified_weight_scales_write_the_bytes_the_weights_amax_pass_writes():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
+def test_weights_written_outside_the_optimizer_leave_no_amax_record_behind():
+    """A record of the stored weights' amax (what certified scales start from) is zeroed, unknown, once the master
+    has been written by anything but the Triton kernels (an in-place op on a ScaledFP16Weight, a model's
+    load_state_dict): weights scaled up since would otherwise get a scale they overflow."""
+    from lowbit.optim import LowbitAdamW, StatePrecision
+
+    p = torch.nn.Parameter(torch.randn(64, 32) * 0.02)
+    opt = LowbitAdamW([p], lr=1e-3, precision=StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3",
+                                                             exp_avg_sq="fp16"))
+    p = opt.param_groups[0]["params"][0]
+    opt._amax[p] = torch.full((3,), 5.0)
+    opt._unknown_if_written(p, p._data)  # never seen: unknown
+    assert not opt._amax[p].any()
+    opt._amax[p].fill_(5.0)  # as the kernels record it, writing the data without a version bump
+    opt._unknown_if_written(p, p._data)
+    assert (opt._amax[p] == 5.0).all()
+    with torch.no_grad():
+        p.mul_(4.0)
+    opt._unknown_if_written(p, p._data)
+    assert not opt._amax[p].any()
+
+
 def test_an_update_outside_the_kernels_leaves_no_amax_record_behind():
     """A chunk the Triton update does not take (here: a CPU) is written by the compiled passes, which keep no
     record of the written amaxes: under amax scales its records are zeroed, so no stale one fixes a scale."""

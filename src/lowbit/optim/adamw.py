@@ -387,6 +387,7 @@ class LowbitAdamW(torch.optim.Optimizer):
         self._compiled: dict[str, object] = {}
         self._placeholder: dict[torch.device, torch.Tensor] = {}
         self._amax: dict[torch.Tensor, torch.Tensor] = {}  # each parameter's states' last amaxes (see _items)
+        self._versions: dict[torch.Tensor, int] = {}  # amax scales: its master's version when last seen
         self.cuda_graphs = cuda_graphs  # on a GPU: the update and the stored norms replayed (lowbit.optim.graphs)
         self._graphed: dict[tuple, Graphed] = {}  # (what, device) -> its graph
         self._lr: dict[tuple[int, torch.device], torch.Tensor] = {}
@@ -614,8 +615,20 @@ class LowbitAdamW(torch.optim.Optimizer):
                 self._amax[p] = stored_amaxes(kinds, *item[4:10])
             elif p not in self._amax and device.type == "cuda":  # amax scales: the Triton update's (0: unknown)
                 self._amax[p] = torch.zeros(3, device=device)
+            if kinds[5] == "amax" and p in self._amax:
+                self._unknown_if_written(p, item[8])
             items.append(item + (self._amax.get(p, none),))
         return items
+
+    def _unknown_if_written(self, p, master: torch.Tensor) -> None:
+        """Zero `p`'s amax record (unknown) where its master was written since the last step by anything but the
+        Triton kernels, whose raw writes leave a tensor's version as it is: an in-place op on a ScaledFP16Weight,
+        a model's load_state_dict (an update outside the kernels zeroes the record itself). A record of weights
+        since scaled up would certify a scale they overflow."""
+        version = master._version
+        if self._versions.get(p) != version:
+            self._amax[p].zero_()
+            self._versions[p] = version
 
     def _grad_for_step(self, p):
         """What marks `p` as having a gradient this step (the data itself is read in the update)."""

@@ -49,8 +49,11 @@ class ScaledFP16Weight(torch.Tensor):
         return decode(self._data, "fp16", self._scale).to(dtype)
 
     def assign(self, x: torch.Tensor) -> None:
-        """Store `x` (in place), with the scale of its amax."""
+        """Store `x` (in place), with the scale of its amax. The data's version is bumped by hand: under
+        __torch_dispatch__ an in-place op counts no version, and the optimizer's record of the stored amax
+        (LowbitAdamW._unknown_if_written) reads it."""
         encode(x.float(), "fp16", self._scale, out=self._data)
+        torch.autograd.graph.increment_version(self._data)
 
     def __repr__(self):  # no .item(): torch.compile may print a fake one
         return f"ScaledFP16Weight(shape={tuple(self.shape)}, scale={self._scale!r})"

@@ -49,7 +49,8 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") == "1"  # Triton's CPU int
 BLOCK, ITERS, WARPS = 2048, 8, 8  # elements per load, loads per program, warps per program
 STAGES = 3  # blocks in flight per program (Triton's pipeliner); the best of 1-3 on an H100
 CERTIFY = True  # amax scales: the weights' scale from bounds where they fix it (`_certified`)
-COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: weights' amax passes run, tensors updated (certified)
+COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: weights' amax passes run, tensors updated (certified);
+# zero them in place to count afresh (reset_counts): a captured update adds to the tensors it was captured with
 SLACK = 2.0 ** -16  # _certified's relative widening of its bounds: many fp32 roundings
 FAST = True  # approximate sqrt and reciprocal in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 
@@ -197,12 +198,15 @@ if triton is not None:
                              V_SCALED: tl.constexpr, W_MAX: tl.constexpr, BLOCK: tl.constexpr,
                              ITERS: tl.constexpr, FAST: tl.constexpr):
         """The new weights' amax into buf[2] after a pass one with STEP_W, where `_certified` does not fix their
-        scale (buf[12]: 1 where it ran; no blocks at all where it does): it reads the weights, and the gradient
-        and moments only where a weight could be the largest new one (|a| at least `cut`: a few in a tensor)."""
+        scale (no blocks at all where it does): it reads the weights, and the gradient and moments only where a
+        weight could be the largest new one (|a| at least `cut`: a few in a tensor). The decision for the writes
+        to read: buf[12] 1 where it ran, else 0 and the fixed scale at buf[13] (not computed again there, so no
+        two compilations of the scalar math can disagree at a power of two's edge)."""
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         ok, fixed, cut = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
         if tl.program_id(0) == 0:
             tl.store(buf_ptr + 12, tl.where(ok, 0.0, 1.0))
+            tl.store(buf_ptr + 13, fixed)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
         base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
         for i in tl.range(0, tl.where(ok, 0, ITERS)):
@@ -215,7 +219,7 @@ if triton is not None:
             m, v, w = _fresh(g, m, v, w, ig, im, iv, iw, lr, wd, step_size, bc2, w1, beta2, w2, eps, G_SCALED,
                              M_SCALED, V_SCALED, True, FAST)
             aw = _larger(aw, w, cand)
-        tl.atomic_max(buf_ptr + 2, _amax(aw))
+        tl.atomic_max(buf_ptr + 2, _amax(aw), mask=~ok)
 
     @triton.jit
     def _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX: tl.constexpr):
@@ -285,9 +289,8 @@ if triton is not None:
             nv = _pow2(tl.load(buf_ptr + 1), tl.load(vs_ptr), V_MAX)
         if AMAX_W:
             nw = _pow2(tl.load(buf_ptr + 2), tl.load(ws_ptr), W_MAX)
-            if CERT:
-                ok, fixed, _ = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
-                nw = tl.where(ok, fixed, nw)
+            if CERT:  # the weights' amax pass's decision (_weights_amax_kernel)
+                nw = tl.where(tl.load(buf_ptr + 12) == 0.0, tl.load(buf_ptr + 13), nw)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
@@ -342,8 +345,8 @@ def supported(items: list[tuple], kinds) -> bool:
 def _prepare(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, kinds):
     """The per-call constants of a chunk: the kernels' flags and ranges, and a buffer per item (amaxes, then the
     bias corrections adamw._bias computes at [3] and [7], the new scales at [4:7], the written states' amaxes at
-    [8:11] under bounded and mixed scales and where kept; [11] the largest weight step and [12] 1 where the
-    weights' amax pass ran, with certified scales; [13:16] unused)."""
+    [8:11] under bounded and mixed scales and where kept; [11] the largest weight step, [12] 1 where the
+    weights' amax pass ran and [13] the certified scale where it did not, with certified scales; [14:16] unused)."""
     k_m, k_v, k_master = kinds[:3]
     from_master = k_master != "none"
     flags = dict(M_SCALED=_scaled(k_m), V_SCALED=_scaled(k_v), W_SCALED=_scaled(k_master))
@@ -396,12 +399,20 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
 
 def _count(ran: torch.Tensor, n: int) -> None:
     """COUNTS: the weights' amax passes `ran` (1 each) and the tensors updated, on the device (a CUDA graph replays
-    the additions)."""
+    the additions). Made outside a capture only (an allocation there would be replayed as a reset): a graph's
+    eager run before it has made it."""
     counts = COUNTS.get(ran.device)
     if counts is None:
-        counts = COUNTS[ran.device] = torch.zeros(2, device=ran.device)
+        if ran.is_cuda and torch.cuda.is_current_stream_capturing():
+            return
+        counts = COUNTS[ran.device] = torch.zeros(2, dtype=torch.float64, device=ran.device)
     counts[0] += ran.sum()
     counts[1] += n
+
+
+def reset_counts() -> None:
+    for counts in COUNTS.values():
+        counts.zero_()
 
 
 def _grid(n: int) -> tuple[int]:

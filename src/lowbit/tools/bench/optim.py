@@ -99,7 +99,7 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                 t0 = time.perf_counter()
                 opt.step()
                 row["first_step_s"] = time.perf_counter() - t0
-                update_kernel.COUNTS.clear()
+                update_kernel.reset_counts()
                 row.update(time_ms(opt.step, device, a.steps, a.warmup))
                 row.update(_passes(device))
             row.update(params_m=total / 1e6, covered_pct=100 * covered / total, bytes_per_param=moved / total,
