@@ -10,6 +10,12 @@ ops. Bounded scales (optim.scales=bound) write in one pass, with scales from sta
 one for the FP8 states alone (under fp8lm-o2 the first moment: it reads the gradient and the old moment, 2 of
 the 6 bytes per parameter) before the writes.
 
+Certified weight scales (CERTIFY, under amax scales): pass one reads no weights, only computing the largest
+weight step B; the new weights' amax then lies within B of the record of the stored weights' amax (times
+1 - lr wd), and where that interval takes one power-of-two scale the weights' amax pass (`_weights_amax_kernel`)
+runs no blocks; where it does not, it reads the weights and only the few weights' gradient and moments that could
+be the largest. Same bytes written (`_certified`); at `7b` on an H100, 45.4 -> 43.1 ms back to back.
+
 Each program walks ITERS blocks, so its scalars (scales, bias corrections, correctly rounded divisions) are
 computed once per ITERS x BLOCK elements, and STAGES blocks are in flight: Triton's pipeliner copies the next
 blocks into shared memory (cp.async) while one is computed. The kernels wait on memory more than they issue
