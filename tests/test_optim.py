@@ -1052,10 +1052,10 @@ def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages):
     amax = dict(AMAX_M=scales != "bound", AMAX_V=scales == "amax", AMAX_W=scales == "amax")
     cert = scales == "amax"  # amax scales as fp8lm-o2 runs them: the weights' scale certified where it can be
     ptrs = ["*fp8e4nv", "*fp8e4nv", "*fp16", "*fp16"]
-    write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 8 + ["i32"] + ["fp32"] * 5,
+    write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
              dict(flags, **amax, M_MAX=448.0, V_MAX=65504.0, W_MAX=65504.0, WRITE_P=False, CERT=cert, TRACK=True))
     passes = [dict(amax, AMAX_W=False, STEP_W=True)] if cert else [dict(amax, STEP_W=False)] if amax["AMAX_M"] else []
-    kernels_ = [write] + [(uk._amax_kernel, ptrs + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5, dict(flags, **f))
+    kernels_ = [write] + [(uk._amax_kernel, ptrs + ["*fp32"] * 6 + ["i32"] + ["fp32"] * 5, dict(flags, **f))
                           for f in passes]
     if cert:  # the weights' amax pass where their scale is not certified
         kernels_.append((uk._weights_amax_kernel, ptrs + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,

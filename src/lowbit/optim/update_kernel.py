@@ -158,8 +158,7 @@ if triton is not None:
         return tl.max(tl.where(acc != acc, float("inf"), acc), axis=0)
 
     @triton.jit
-    def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, rec_ptr, n,
-                     wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+    def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
                      AMAX_W: tl.constexpr, STEP_W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
                      FAST: tl.constexpr, STAGES: tl.constexpr):
@@ -277,8 +276,8 @@ if triton is not None:
         return tl.where(a < float("inf"), r, a)
 
     @triton.jit
-    def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, rec_ptr,
-                      new_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+    def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr,
+                      n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                       V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
                       W_MAX: tl.constexpr, WRITE_P: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
                       AMAX_W: tl.constexpr, CERT: tl.constexpr, TRACK: tl.constexpr, BLOCK: tl.constexpr,
@@ -367,8 +366,8 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
     """One AdamW step on the stored states of a chunk of tensors (adamw._update_all's items), in place: per tensor
     an amax pass for the states whose new scale comes from their new amax (every scaled state under amax scales,
     the FP8 ones under mixed scales), then the writes; one pass where every scale is bounded (kinds[5] == "bound").
-    Amax scales with a record of the stored weights' amax (item[13], `kept`)
-    read no weights in pass one where `_certified` fixes their scale. Returns the chunk's buffer (_prepare's)."""
+    Amax scales with a record of the stored weights' amax (item[13], `kept`) read no weights in pass one where
+    `_certified` fixes their scale. Returns the chunk's buffer (_prepare's)."""
     flags, maxes, buf = _prepare(items, lr, beta1, beta2, kinds)
     bounded = kinds[5] != "amax"
     table = bound_table(items, lr, beta1, beta2, kinds) if bounded else buf  # amax scales: a row loaded, never used
@@ -381,10 +380,10 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
     with torch.cuda.device(lr.device) if lr.is_cuda else contextlib.nullcontext():  # Triton's interpreter: CPU
         for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _, rec) in enumerate(items):
             n = g.numel()
-            args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i], rec if cert else buf[i])
+            args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i])
             consts = dict(G_SCALED=_scaled(g_kind), **flags, **maxes, WRITE_P=from_master and not own)
             if any(exact.values()):
-                _pass_one(args, n, wd, coef, consts, exact, cert)
+                _pass_one(args, n, wd, coef, consts, exact, rec if cert else None)
             _write_kernel[_grid(n)](*args, table[i], n, wd, **coef, **consts, **exact, CERT=cert,
                                     TRACK=bounded or keep, BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES,
                                     num_warps=WARPS)
@@ -425,17 +424,18 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK * ITERS),)
 
 
-def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, cert: bool) -> None:
-    """The amaxes of the new states `amax` names (AMAX_M, AMAX_V, AMAX_W) into the item's buffer; with `cert`,
-    pass one reads no weights (the largest step instead of their amax), and their amax pass runs only where
-    `_certified` does not fix their scale."""
+def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, rec: torch.Tensor | None) -> None:
+    """The amaxes of the new states `amax` names (AMAX_M, AMAX_V, AMAX_W) into the item's buffer; with `rec`
+    (certified scales: the record of the stored weights' amax), pass one reads no weights (the largest step
+    instead of their amax), and their amax pass runs only where `_certified` does not fix their scale."""
+    cert = rec is not None
     g, m, v, w, p, *scale_args = args
     flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED")}
     _amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, W_SCALED=consts["W_SCALED"],
                            **dict(amax, AMAX_W=amax["AMAX_W"] and not cert), STEP_W=cert, BLOCK=BLOCK, ITERS=ITERS,
                            FAST=FAST, STAGES=STAGES, num_warps=WARPS)
     if cert:
-        _weights_amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, W_MAX=consts["W_MAX"],
+        _weights_amax_kernel[_grid(n)](g, m, v, w, *scale_args, rec, n, wd, **coef, **flags, W_MAX=consts["W_MAX"],
                                        BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, num_warps=WARPS)
 
 
