@@ -116,6 +116,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
             s.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="blocks",
                            help="with --compile: each block and the head compiled on its own (blocks, the trainer's "
                                 "default) or the whole model as one graph (model)")
+        if what == "optim":
+            s.add_argument("--profile", action="store_true",
+                           help="also sum one step's kernel time on a GPU: each Triton pass, the other kernels, and "
+                                "the time no kernel ran (launches, a kernel's last wave, waits)")
         if what == "step":
             s.add_argument("--max-batch", type=int, default=0, metavar="N",
                            help="instead: per recipe, the largest micro-batch up to N that fits in memory, and "

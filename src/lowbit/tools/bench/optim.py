@@ -14,6 +14,7 @@ import torch
 
 from lowbit.optim import update_kernel
 from lowbit.optim.precision import KINDS, STORED, StatePrecision
+from lowbit.tools.bench import profile
 from lowbit.tools.bench.common import GPU_HBM_BYTES_PER_S, Report, Table, device_name, error_row, release, \
     time_ms, variants
 
@@ -70,6 +71,28 @@ def _passes(device: torch.device) -> dict:
     return {"w_amax_pct": 100 * counts[0].item() / counts[1].item()} if counts is not None and counts[1] else {}
 
 
+PASSES = {"_amax_kernel": "pass_one_ms", "_weights_amax_kernel": "weights_pass_ms", "_write_kernel": "writes_ms"}
+
+
+def _profile(step, device: torch.device, ms: float) -> dict:
+    """One profiled step's kernel time: each Triton pass (update_kernel's kernels by name), the other kernels
+    (fp32 AdamW, the scales' and counters' copies), kernel launches, and idle: the timed step less the union of
+    kernel intervals (launch gaps, each kernel's ramp and last wave, the host)."""
+    k = profile.kernel_ms(step, device, top=12)
+    if not k:
+        return {}
+    out = {v: 0.0 for v in PASSES.values()}
+    other = 0.0
+    for entry in k["top"]:
+        key = PASSES.get(entry["kernel"])
+        if key:
+            out[key] += entry["ms"]
+    busy = sum(k[f"{n}_ms"] for n in profile.KIND_NAMES)
+    out.update(other_kernels_ms=busy - sum(out.values()), launches=k["kernels"], busy_ms=k["busy_ms"],
+               idle_ms=profile.idle(ms, k["busy_ms"]), top=k["top"])
+    return out
+
+
 def run_optim(a, device: torch.device, report: Report) -> None:
     what = f"one {a.shape[0]}x{a.shape[1]} weight" if a.shape else f"`{a.preset}`'s parameters"
     mode = {True: "compiled", False: "eager", None: "compiled on a GPU and for large CPU tensors"}[a.compile]
@@ -78,7 +101,11 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                             ("covered_pct", "covered %", ".1f"), ("bytes_per_param", "bytes/param moved", ".2f"),
                             ("ms", "ms/step (median)", ".2f"), ("gb_per_s", "GB/s", ",.1f"),
                             ("hbm_pct", "% of HBM", ".1f"), ("vs_fp32_adamw", "ms vs fp32 AdamW", ".2f"),
-                            ("w_amax_pct", "weights' amax passes %", ".1f"), ("first_step_s", "first step s", ".1f")]))
+                            ("w_amax_pct", "weights' amax passes %", ".1f"), ("first_step_s", "first step s", ".1f")]
+                           + ([("pass_one_ms", "pass one ms", ".2f"), ("weights_pass_ms", "weights' pass ms", ".2f"),
+                               ("writes_ms", "writes ms", ".2f"), ("other_kernels_ms", "other kernels ms", ".2f"),
+                               ("launches", "kernels", ","), ("idle_ms", "no kernel running ms", ".2f")]
+                              if a.profile else [])))
     hbm = next((bw for k, bw in GPU_HBM_BYTES_PER_S.items() if k in device_name(device)), None) \
         if device.type == "cuda" else None
     for v, path in _paths(variants(a.recipe_list, []), a.update):
@@ -102,6 +129,8 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                 update_kernel.reset_counts()
                 row.update(time_ms(opt.step, device, a.steps, a.warmup))
                 row.update(_passes(device))
+                if a.profile:
+                    row.update(_profile(opt.step, device, row["ms"]))
             row.update(params_m=total / 1e6, covered_pct=100 * covered / total, bytes_per_param=moved / total,
                        gb_per_s=moved / (row["ms"] / 1e3) / 1e9)
             if hbm:
