@@ -32,14 +32,15 @@ from lowbit.tools.bench.layers import preset_args
 from lowbit.tools.bench.optim import fill_grads, update_bytes
 from lowbit.tools.bench.step import build
 
-# (elements per load, loads per program, warps, stages, approximate math, certified weight scales): 16, 8 or
-# 4 elements per thread, pipelined
-CONFIGS = [(2048, 8, 8, 3, True, True), (2048, 8, 8, 3, True, False), (1024, 16, 8, 3, True, True),
-           (1024, 16, 4, 3, True, True), (2048, 8, 8, 2, True, True), (512, 32, 4, 3, True, True),
-           (1024, 16, 8, 1, True, True), (2048, 16, 8, 3, True, True), (4096, 8, 16, 3, True, True),
-           (1024, 8, 4, 2, True, True), (2048, 8, 8, 1, True, True), (2048, 8, 8, 1, False, True),
-           (4096, 4, 8, 3, True, True), (4096, 8, 8, 2, True, True)]
-KNOBS = ("BLOCK", "ITERS", "WARPS", "STAGES", "FAST", "CERTIFY")
+# (elements per load, loads per program, warps, stages, approximate math, certified weight scales, a chunk's
+# tensors in one launch per pass): 16, 8 or 4 elements per thread, pipelined
+CONFIGS = [(2048, 8, 8, 3, True, True, True), (2048, 8, 8, 3, True, True, False),
+           (2048, 8, 8, 3, True, False, True), (2048, 8, 8, 3, True, False, False),
+           (1024, 16, 8, 3, True, True, True), (1024, 16, 4, 3, True, True, True), (2048, 8, 8, 2, True, True, True),
+           (512, 32, 4, 3, True, True, True), (1024, 16, 8, 1, True, True, True), (2048, 16, 8, 3, True, True, True),
+           (4096, 8, 16, 3, True, True, True), (1024, 8, 4, 2, True, True, True), (2048, 8, 8, 1, True, True, True),
+           (2048, 8, 8, 1, False, True, True), (4096, 4, 8, 3, True, True, True), (4096, 8, 8, 2, True, True, True)]
+KNOBS = ("BLOCK", "ITERS", "WARPS", "STAGES", "FAST", "CERTIFY", "GROUP")
 
 
 def moved_bytes(opt) -> int:
@@ -85,7 +86,7 @@ def sweep(recipe: str, preset: str, hbm: float | None, baseline: str | None = No
             update_kernel.update = old.update
             try:
                 rows.append(timed(opt, moved, hbm, recipe=recipe, block=old.BLOCK, iters=old.ITERS,
-                                  warps=old.WARPS, stages=1, fast=old.FAST, certify=False, kernels=baseline))
+                                  warps=old.WARPS, stages=1, fast=old.FAST, certify=False, group=False, kernels=baseline))
             finally:
                 update_kernel.update = current
                 for record in opt._amax.values():  # the earlier kernels wrote states without recording them
@@ -94,9 +95,9 @@ def sweep(recipe: str, preset: str, hbm: float | None, baseline: str | None = No
             for config in configs:
                 for k, value in zip(KNOBS, config):
                     setattr(update_kernel, k, value)
-                block, iters, warps, stages, fast, certify = config
+                block, iters, warps, stages, fast, certify, group = config
                 rows.append(timed(opt, moved, hbm, recipe=recipe, block=block, iters=iters, warps=warps,
-                                  stages=stages, fast=fast, certify=certify))
+                                  stages=stages, fast=fast, certify=certify, group=group))
         finally:
             for k, value in zip(KNOBS, default):
                 setattr(update_kernel, k, value)
@@ -114,6 +115,7 @@ def cells(r: dict) -> dict:
     if r.get("kernels"):  # an earlier update_kernel.py's row
         shape += f" ({Path(r['kernels']).stem})"
     return dict(recipe=r["recipe"], shape=shape, math=math(r["fast"]), certify="yes" if r.get("certify") else "no",
+                group="a chunk" if r.get("group") else "one tensor",
                 ms=f"{r['ms']:.1f}", b2b=f"{r['ms_back_to_back']:.1f}", gbs=f"{r['gb_per_s']:,.0f}",
                 hbm=f"{r['hbm_pct']:.1f}" if "hbm_pct" in r else "")
 
@@ -121,10 +123,13 @@ def cells(r: dict) -> dict:
 COLUMNS = [("recipe", "optimizer update, Triton kernels"),
            ("shape", "elements per load x loads, warps, blocks in flight"),
            ("math", "sqrt and division in the weight's step"),
-           ("certify", "weights' scale certified (amax scales)"), ("ms", "ms (step alone)"),
+           ("certify", "weights' scale certified (amax scales)"), ("group", "tensors per launch"),
+           ("ms", "ms (step alone)"),
            ("b2b", "ms back to back"), ("gbs", "GB/s"), ("hbm", "% of HBM")]
 NOTE = ("The library ships {block} x {iters}, {warps} warps, {stages} in flight, {math} math, weights' scales "
-        "{certify} (update_kernel.BLOCK, ITERS, WARPS, STAGES, FAST, CERTIFY). "
+        "{certify}, {group} per launch (update_kernel.BLOCK, ITERS, WARPS, STAGES, FAST, CERTIFY, GROUP). "
+        "A chunk: the tensors of one shape the optimizer updates together (up to adamw.CHUNK), one launch per pass, "
+        "each program reading its tensor's addresses from a table. "
         "Certified: under amax scales, the weights' amax pass skipped where bounds fix their scale (the same bytes). "
         "GB/s: the bytes the update must move (bench optim's measure) over the back-to-back time.")
 
@@ -132,7 +137,8 @@ NOTE = ("The library ships {block} x {iters}, {warps} warps, {stages} in flight,
 def note() -> str:
     k = update_kernel
     return NOTE.format(block=k.BLOCK, iters=k.ITERS, warps=k.WARPS, stages=k.STAGES, math=math(k.FAST),
-                       certify="certified where bounds fix them" if k.CERTIFY else "from their amax")
+                       certify="certified where bounds fix them" if k.CERTIFY else "from their amax",
+                       group="a chunk's tensors" if k.GROUP else "one tensor")
 
 
 def save(out: str, meta: dict, rows: list[dict]) -> None:

@@ -995,6 +995,70 @@ def test_certified_weight_scales_write_the_bytes_the_weights_amax_pass_writes():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
+GROUPED_CHECK = """
+import torch
+from lowbit.optim import update_kernel as uk, LowbitAdamW, StatePrecision
+
+launches = []
+
+
+def stepped(prec, group):
+    uk.GROUP = group
+    torch.manual_seed(0)
+    shapes = ((96, 70), (96, 70), (96, 70), (40, 96), (40, 96), (70,), (70,))
+    params = [torch.nn.Parameter(torch.randn(s) * 0.02) for s in shapes]
+    opt = LowbitAdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1, precision=prec)
+    if prec.scales == "amax":
+        opt._amax.update({p: torch.zeros(3) for p in params})  # the records a GPU's optimizer keeps
+    g = torch.Generator().manual_seed(1)
+    for step in range(5):  # from the third step on, the kernels as a GPU's compiled update calls them
+        if step == 2:
+            opt._fn = lambda fn, device, numel=0: lambda items, lr, b1, b2, eps, kinds, span=None: \\
+                (launches.append(len(items)), uk.update(items, lr, b1, b2, eps, kinds))
+        sum((p.float() * torch.randn(p.shape, generator=g)).sum() for p in params).backward()
+        opt.step()
+        opt.zero_grad()
+    out = []
+    for p in params:
+        st = opt.state[p]
+        out += [st[k] for k in sorted(st)] + ([p._data, p._scale] if hasattr(p, "_data") else [p])
+        out += [opt._amax[p]] if p in opt._amax else []
+    return out
+
+
+for weights, master in (("fp16", "none"), ("bf16", "fp16")):
+    for scales in ("amax", "bound", "mixed"):
+        prec = StatePrecision(weights=weights, master=master, grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16",
+                              scales=scales)
+        tables = len(uk.TABLES)
+        for a, b in zip(stepped(prec, False), stepped(prec, True)):
+            assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                      b.reshape(-1).view(torch.uint8)), (weights, scales)
+        assert len(uk.TABLES) > tables and max(launches) == 3, (launches, len(uk.TABLES))
+print("ok")
+"""
+
+
+@pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
+def test_grouped_launches_write_what_one_launch_per_tensor_writes():
+    """update_kernel.GROUP: the tensors of a chunk (one shape) updated by one launch per pass, each program finding
+    its tensor's addresses in a table, write every state, scale and amax record bit for bit as one launch per
+    tensor does: amax (with certified weight scales), bound and mixed scales, FP16 weights and a bf16 model with an
+    FP16 master, under Triton's CPU interpreter (chunks of three, two and two tensors of one shape)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "check.py")  # a file: triton.jit reads its functions' source
+        with open(script, "w") as f:
+            f.write(GROUPED_CHECK)
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
+
+
 def test_weights_written_outside_the_optimizer_leave_no_amax_record_behind():
     """A record of the stored weights' amax (what certified scales start from) is zeroed, unknown, once the master
     has been written by anything but the Triton kernels (an in-place op on a ScaledFP16Weight, a model's
@@ -1035,12 +1099,13 @@ def test_an_update_outside_the_kernels_leaves_no_amax_record_behind():
 
 @pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
 @pytest.mark.parametrize("scales", ["amax", "bound", "mixed"])
-@pytest.mark.parametrize("stages", [1, 3])
-def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages):
+@pytest.mark.parametrize("stages,grouped", [(1, False), (3, False), (3, True)])
+def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages, grouped):
     """The interpreter runs no PTX, so the update kernels' approximate sqrt and reciprocal (inline PTX) and
     Triton's pipelined loads are checked here: each kernel fp8lm-o2 launches builds through ptxas for sm90 with one
-    and three blocks in flight, the weight step's math is the one-instruction PTX, and unpipelined, the write pass
-    loads and stores 128-bit vectors. No GPU needed."""
+    and three blocks in flight, one tensor per launch or a chunk's (GROUPED: addresses from a table), the weight
+    step's math is the one-instruction PTX, and unpipelined, the write pass loads and stores 128-bit vectors. No
+    GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler.compiler import ASTSource
@@ -1048,22 +1113,24 @@ def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages):
     from lowbit.optim import update_kernel as uk
 
     flags = dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_SCALED=True, FAST=True, BLOCK=2048, ITERS=8,
-                 STAGES=stages)
+                 STAGES=stages, GROUPED=grouped)
+    where = ["*i64", "i32", "i32"]  # the table, programs per tensor, elements per tensor
     amax = dict(AMAX_M=scales != "bound", AMAX_V=scales == "amax", AMAX_W=scales == "amax")
     cert = scales == "amax"  # amax scales as fp8lm-o2 runs them: the weights' scale certified where it can be
     ptrs = ["*fp8e4nv", "*fp8e4nv", "*fp16", "*fp16"]
-    write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
+    write = (uk._write_kernel, ptrs + ["*bf16"] + ["*fp32"] * 7 + ["i32"] + where + ["fp32"] * 5,
              dict(flags, **amax, M_MAX=448.0, V_MAX=65504.0, W_MAX=65504.0, WRITE_P=False, CERT=cert, TRACK=True))
     passes = [dict(amax, AMAX_W=False, STEP_W=True)] if cert else [dict(amax, STEP_W=False)] if amax["AMAX_M"] else []
-    kernels_ = [write] + [(uk._amax_kernel, ptrs + ["*fp32"] * 6 + ["i32"] + ["fp32"] * 5, dict(flags, **f))
+    kernels_ = [write] + [(uk._amax_kernel, ptrs + ["*fp32"] * 6 + where + ["fp32"] * 5, dict(flags, **f))
                           for f in passes]
     if cert:  # the weights' amax pass where their scale is not certified
-        kernels_.append((uk._weights_amax_kernel, ptrs + ["*fp32"] * 7 + ["i32"] + ["fp32"] * 5,
-                         dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_MAX=65504.0, BLOCK=2048, ITERS=8,
-                              FAST=True)))
+        kernels_.append((uk._weights_amax_kernel, ptrs + ["*fp32"] * 7 + where + ["fp32"] * 5,
+                         dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_MAX=65504.0, GROUPED=grouped,
+                              BLOCK=2048, ITERS=8, FAST=True)))
     for fn, types, constants in kernels_:
         signature = {**dict(zip(fn.arg_names, types)), **{k: "constexpr" for k in constants}}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*") or t == "i32"}
+        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*") or
+                 fn.arg_names[i] == "n"}
         src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs)
         built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
         ptx = built.asm["ptx"]

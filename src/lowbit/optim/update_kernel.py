@@ -59,11 +59,45 @@ COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: weights' amax passe
 # zero them in place to count afresh (reset_counts): a captured update adds to the tensors it was captured with
 SLACK = 2.0 ** -16  # _certified's relative widening of its bounds: many fp32 roundings
 FAST = True  # approximate sqrt and reciprocal in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
+GROUP = True  # a chunk's tensors (one shape) in one launch per pass, their addresses read from a table (`_group`)
+MEMBERS = 10  # a grouped launch's table row: g, m, v, w, p, and the scales gs, ms, vs, ws, then the amax record
+TABLES: dict[tuple, torch.Tensor] = {}  # address rows -> their table on the device, kept for good (a captured
+TABLES_MAX = 4096  # graph reads it); past this many, chunks launch per tensor
 
 if triton is not None:
     import triton.language as tl
 
+    _MEMBERS = tl.constexpr(MEMBERS)
+
     _SLACK = tl.constexpr(SLACK)
+
+    @triton.jit
+    def _place(PER, REVERSE: tl.constexpr):
+        """This program's tensor of the launch and block of it: PER programs per tensor (a launch of one tensor:
+        all of them); REVERSE walks from the last tensor's end."""
+        pid = tl.program_id(0)
+        if REVERSE:
+            pid = tl.num_programs(0) - 1 - pid
+        t = pid // PER
+        return t, pid - t * PER
+
+    @triton.jit
+    def _member(tab_ptr, t, j: tl.constexpr, like):
+        """Tensor t's j-th address of a grouped launch's table (MEMBERS per row), typed as `like`."""
+        return tl.load(tab_ptr + t * _MEMBERS + j).to(tl.pointer_type(like.dtype.element_ty))
+
+    @triton.jit
+    def _members(tab_ptr, t, g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, rec_ptr,
+                 GROUPED: tl.constexpr):
+        """The pointers of tensor t: a grouped launch reads them from its table, one tensor's launch has them."""
+        if GROUPED:
+            g_ptr, m_ptr, v_ptr = _member(tab_ptr, t, 0, g_ptr), _member(tab_ptr, t, 1, m_ptr), \
+                _member(tab_ptr, t, 2, v_ptr)
+            w_ptr, p_ptr = _member(tab_ptr, t, 3, w_ptr), _member(tab_ptr, t, 4, p_ptr)
+            gs_ptr, ms_ptr = _member(tab_ptr, t, 5, gs_ptr), _member(tab_ptr, t, 6, ms_ptr)
+            vs_ptr, ws_ptr = _member(tab_ptr, t, 7, vs_ptr), _member(tab_ptr, t, 8, ws_ptr)
+            rec_ptr = _member(tab_ptr, t, 9, rec_ptr)
+        return g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, rec_ptr
 
     @triton.jit
     def _loads(g_ptr, m_ptr, v_ptr, w_ptr, offs, mask, V: tl.constexpr, W: tl.constexpr):
@@ -158,18 +192,23 @@ if triton is not None:
         return tl.max(tl.where(acc != acc, float("inf"), acc), axis=0)
 
     @triton.jit
-    def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
+    def _amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, tab_ptr, PER, n,
+                     wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
-                     AMAX_W: tl.constexpr, STEP_W: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr,
-                     FAST: tl.constexpr, STAGES: tl.constexpr):
+                     AMAX_W: tl.constexpr, STEP_W: tl.constexpr, GROUPED: tl.constexpr, BLOCK: tl.constexpr,
+                     ITERS: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
         """Pass one: the amaxes of the new states AMAX_* names into buf[0:3] and with STEP_W the largest weight
         step into buf[11]; the first moment's alone reads only the gradient and the old moment, and without
-        AMAX_W the weights are not read."""
+        AMAX_W the weights are not read. GROUPED: tensor t of the launch's table, its row t of buf."""
+        t, blk = _place(PER, False)
+        g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, rec_ptr = _members(
+            tab_ptr, t, g_ptr, m_ptr, v_ptr, w_ptr, g_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, gs_ptr, GROUPED)
+        buf_ptr += t * 16
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
-        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+        base = blk.to(tl.int64) * BLOCK * ITERS
         for i in tl.range(0, ITERS, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
@@ -199,21 +238,25 @@ if triton is not None:
 
     @triton.jit
     def _weights_amax_kernel(g_ptr, m_ptr, v_ptr, w_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, rec_ptr,
-                             n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
-                             V_SCALED: tl.constexpr, W_MAX: tl.constexpr, BLOCK: tl.constexpr,
-                             ITERS: tl.constexpr, FAST: tl.constexpr):
+                             tab_ptr, PER, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr,
+                             M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_MAX: tl.constexpr,
+                             GROUPED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr):
         """The new weights' amax into buf[2] after a pass one with STEP_W, where `_certified` does not fix their
         scale (no blocks at all where it does): it reads the weights, and the gradient and moments only where a
         weight could be the largest new one (|a| at least `cut`: a few in a tensor). The decision for the writes
         to read: buf[12] 1 where it ran, else 0 and the fixed scale at buf[13] (not computed again there, so no
         two compilations of the scalar math can disagree at a power of two's edge)."""
+        t, blk = _place(PER, False)
+        g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, rec_ptr = _members(
+            tab_ptr, t, g_ptr, m_ptr, v_ptr, w_ptr, g_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, rec_ptr, GROUPED)
+        buf_ptr += t * 16
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         ok, fixed, cut = _certified(rec_ptr, buf_ptr, ws_ptr, lr, wd, W_MAX)
-        if tl.program_id(0) == 0:
+        if blk == 0:
             tl.store(buf_ptr + 12, tl.where(ok, 0.0, 1.0))
             tl.store(buf_ptr + 13, fixed)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
-        base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+        base = blk.to(tl.int64) * BLOCK * ITERS
         for i in tl.range(0, tl.where(ok, 0, ITERS)):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
@@ -277,15 +320,22 @@ if triton is not None:
 
     @triton.jit
     def _write_kernel(g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr, new_ptr,
-                      n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr, M_SCALED: tl.constexpr,
-                      V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr, V_MAX: tl.constexpr,
-                      W_MAX: tl.constexpr, WRITE_P: tl.constexpr, AMAX_M: tl.constexpr, AMAX_V: tl.constexpr,
-                      AMAX_W: tl.constexpr, CERT: tl.constexpr, TRACK: tl.constexpr, BLOCK: tl.constexpr,
-                      ITERS: tl.constexpr, FAST: tl.constexpr, STAGES: tl.constexpr):
+                      new_stride, tab_ptr, PER, n, wd, beta2, w1, w2, eps, G_SCALED: tl.constexpr,
+                      M_SCALED: tl.constexpr, V_SCALED: tl.constexpr, W_SCALED: tl.constexpr, M_MAX: tl.constexpr,
+                      V_MAX: tl.constexpr, W_MAX: tl.constexpr, WRITE_P: tl.constexpr, AMAX_M: tl.constexpr,
+                      AMAX_V: tl.constexpr, AMAX_W: tl.constexpr, CERT: tl.constexpr, TRACK: tl.constexpr,
+                      GROUPED: tl.constexpr, BLOCK: tl.constexpr, ITERS: tl.constexpr, FAST: tl.constexpr,
+                      STAGES: tl.constexpr):
         """The writes, every kind of scales: the states written with the scales at new_ptr (m, v, w), or for a
         state AMAX_* names, the scale of its amax that _amax_kernel left in buf (kept at buf[4:7]). TRACK: the
         amaxes of what is written into buf[8:11] by atomic max (bounded and mixed scales' record). After a pass
-        one it walks from the end, where that pass read last, so what L2 still holds is read from there."""
+        one it walks from the end, where that pass read last, so what L2 still holds is read from there. GROUPED:
+        tensor t of the launch's table, its row t of buf and of new (rows new_stride apart)."""
+        t, blk = _place(PER, AMAX_M or AMAX_V or AMAX_W)
+        g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, rec_ptr = _members(
+            tab_ptr, t, g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, gs_ptr, GROUPED)
+        buf_ptr += t * 16
+        new_ptr += t * new_stride
         ig, im, iv, iw, lr, step_size, bc2 = _scalars(gs_ptr, ms_ptr, vs_ptr, ws_ptr, lr_ptr, buf_ptr)
         nm, nv, nw = tl.load(new_ptr), tl.load(new_ptr + 1), tl.load(new_ptr + 2)
         if AMAX_M:
@@ -299,14 +349,12 @@ if triton is not None:
         am = tl.zeros([BLOCK], dtype=tl.float32)
         av = tl.zeros([BLOCK], dtype=tl.float32)
         aw = tl.zeros([BLOCK], dtype=tl.float32)
-        pid = tl.program_id(0)
         if AMAX_M or AMAX_V or AMAX_W:
-            if pid == 0:
+            if blk == 0:
                 tl.store(buf_ptr + 4, nm)
                 tl.store(buf_ptr + 5, nv)
                 tl.store(buf_ptr + 6, nw)
-            pid = tl.num_programs(0) - 1 - pid
-        base = pid.to(tl.int64) * BLOCK * ITERS
+        base = blk.to(tl.int64) * BLOCK * ITERS
         for i in tl.range(0, ITERS, num_stages=STAGES):
             offs = base + i * BLOCK + tl.arange(0, BLOCK)
             mask = offs < n
@@ -378,15 +426,21 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
     coef = dict(beta2=beta2, w1=1 - beta1, w2=1 - beta2, eps=eps)
     scales, news, steps = [], [], []
     with torch.cuda.device(lr.device) if lr.is_cuda else contextlib.nullcontext():  # Triton's interpreter: CPU
-        for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _, rec) in enumerate(items):
+        tab = _table(items, from_master, cert) if GROUP and len(items) > 1 else None
+        launches = [(items, tab)] if tab is not None else [([item], None) for item in items]
+        for first, (group, tab) in zip(range(0, len(items), 1 if tab is None else len(items)), launches):
+            p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _, rec = group[0]
             n = g.numel()
-            args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[i])
+            args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[first])
             consts = dict(G_SCALED=_scaled(g_kind), **flags, **maxes, WRITE_P=from_master and not own)
+            where = dict(tab=buf if tab is None else tab, per=_grid(n)[0], count=len(group))
             if any(exact.values()):
-                _pass_one(args, n, wd, coef, consts, exact, rec if cert else None)
-            _write_kernel[_grid(n)](*args, table[i], n, wd, **coef, **consts, **exact, CERT=cert,
-                                    TRACK=bounded or keep, BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES,
-                                    num_warps=WARPS)
+                _pass_one(args, n, wd, coef, consts, exact, rec if cert else None, where)
+            _write_kernel[(where["per"] * len(group),)](
+                *args, table[first], table.stride(0), where["tab"], where["per"], n, wd, **coef, **consts,
+                **exact, CERT=cert, TRACK=bounded or keep, GROUPED=tab is not None, BLOCK=BLOCK, ITERS=ITERS,
+                FAST=FAST, STAGES=STAGES, num_warps=WARPS)
+        for i, (p, g, gs, g_kind, m, ms, v, vs, master, ws, step, *_) in enumerate(items):
             for j, (name, s) in enumerate((("m", ms), ("v", vs), ("w", ws))):
                 if flags[f"{name.upper()}_SCALED"]:
                     scales.append(s)
@@ -424,19 +478,42 @@ def _grid(n: int) -> tuple[int]:
     return (triton.cdiv(n, BLOCK * ITERS),)
 
 
-def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, rec: torch.Tensor | None) -> None:
-    """The amaxes of the new states `amax` names (AMAX_M, AMAX_V, AMAX_W) into the item's buffer; with `rec`
+def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, rec: torch.Tensor | None,
+              where: dict) -> None:
+    """The amaxes of the new states `amax` names (AMAX_M, AMAX_V, AMAX_W) into the buffer rows; with `rec`
     (certified scales: the record of the stored weights' amax), pass one reads no weights (the largest step
-    instead of their amax), and their amax pass runs only where `_certified` does not fix their scale."""
+    instead of their amax), and their amax pass runs only where `_certified` does not fix their scale. `where`:
+    the launch's table (or a stand-in), programs per tensor and tensors (`update`)."""
     cert = rec is not None
     g, m, v, w, p, *scale_args = args
     flags = {k: consts[k] for k in ("G_SCALED", "M_SCALED", "V_SCALED")}
-    _amax_kernel[_grid(n)](g, m, v, w, *scale_args, n, wd, **coef, **flags, W_SCALED=consts["W_SCALED"],
-                           **dict(amax, AMAX_W=amax["AMAX_W"] and not cert), STEP_W=cert, BLOCK=BLOCK, ITERS=ITERS,
-                           FAST=FAST, STAGES=STAGES, num_warps=WARPS)
+    grid, grouped = (where["per"] * where["count"],), where["count"] > 1
+    _amax_kernel[grid](g, m, v, w, *scale_args, where["tab"], where["per"], n, wd, **coef, **flags,
+                       W_SCALED=consts["W_SCALED"], **dict(amax, AMAX_W=amax["AMAX_W"] and not cert), STEP_W=cert,
+                       GROUPED=grouped, BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, STAGES=STAGES, num_warps=WARPS)
     if cert:
-        _weights_amax_kernel[_grid(n)](g, m, v, w, *scale_args, rec, n, wd, **coef, **flags, W_MAX=consts["W_MAX"],
-                                       BLOCK=BLOCK, ITERS=ITERS, FAST=FAST, num_warps=WARPS)
+        _weights_amax_kernel[grid](g, m, v, w, *scale_args, rec, where["tab"], where["per"], n, wd, **coef,
+                                   **flags, W_MAX=consts["W_MAX"], GROUPED=grouped, BLOCK=BLOCK, ITERS=ITERS,
+                                   FAST=FAST, num_warps=WARPS)
+
+
+def _table(items: list[tuple], from_master: bool, cert: bool) -> torch.Tensor | None:
+    """The addresses a grouped launch reads (MEMBERS per tensor: g, m, v, w, p, gs, ms, vs, ws, record), or None
+    where the chunk's tensors cannot share a launch: sizes or gradient kinds differ, or no table may be made (a CUDA
+    graph is being captured: its eager run made it; TABLES_MAX reached). A table is kept for good, since a
+    captured graph reads it at each replay."""
+    if len({(item[1].numel(), item[3]) for item in items}) > 1:
+        return None
+    rows = tuple(tuple(t.data_ptr() for t in (g, m, v, master if from_master else p, p, gs, ms, vs, ws,
+                                              rec if cert else gs))
+                 for p, g, gs, _, m, ms, v, vs, master, ws, _, _, _, rec in items)
+    tab = TABLES.get(rows)
+    if tab is None:
+        device = items[0][1].device
+        if len(TABLES) >= TABLES_MAX or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            return None
+        tab = TABLES[rows] = torch.tensor(rows, dtype=torch.int64).to(device)
+    return tab
 
 
 def kept(items: list[tuple]) -> bool:
