@@ -79,8 +79,8 @@ STEPS: tuple[Step, ...] = (
                 "fp8lm-o2+optim.scales=bound,fp8lm-o3+optim.scales=bound,fp4+optim.scales=bound",
                 "optim_7b_{dev}.json"),), ("optim_7b_{dev}.json",)),
     Step("optim-7b-triton", "the 7b optimizer step alone, the Triton kernels as shipped, two passes, bounded and "
-         "mixed scales, beside fp32 AdamW",
-         (bench("optim --preset 7b --steps 10 --warmup 3 --update triton --recipes fp8lm-o2,fp8lm-o3,fp4,"
+         "mixed scales, beside fp32 AdamW, with each pass's kernel time",
+         (bench("optim --preset 7b --steps 10 --warmup 3 --update triton --profile --recipes fp8lm-o2,fp8lm-o3,fp4,"
                 "fp8lm-o2+optim.scales=bound,fp8lm-o2+optim.scales=mixed,fp8lm-o3+optim.scales=mixed",
                 "optim_7b_triton_{dev}.json"),), ("optim_7b_triton_{dev}.json",)),
     Step("optim-sweep-7b", "the Triton update's launch shapes and approximate math on the 7b parameters",
