@@ -67,7 +67,7 @@ SLACK = 2.0 ** -16  # _certified's relative widening of its bounds: many fp32 ro
 FAST = True  # approximate sqrt and reciprocal in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 GROUP = True  # a chunk's tensors (one shape) in one launch per pass, their addresses read from a table (`_group`)
 MEMBERS = 10  # a grouped launch's table row: g, m, v, w, p, and the scales gs, ms, vs, ws, then the amax record
-TABLES: dict[tuple, torch.Tensor] = {}  # address rows -> their table on the device, kept for good (a captured
+TABLES: dict[tuple, torch.Tensor] = {}  # (device, address rows) -> their table there, kept for good (a captured
 TABLES_MAX = 4096  # graph reads it); past this many, chunks launch per tensor
 
 if triton is not None:
@@ -505,20 +505,20 @@ def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, rec
 
 def _table(items: list[tuple], from_master: bool, cert: bool) -> torch.Tensor | None:
     """The addresses a grouped launch reads (MEMBERS per tensor: g, m, v, w, p, gs, ms, vs, ws, record), or None
-    where the chunk's tensors cannot share a launch: sizes or gradient kinds differ, or no table may be made (a CUDA
-    graph is being captured: its eager run made it; TABLES_MAX reached). A table is kept for good, since a
-    captured graph reads it at each replay."""
-    if len({(item[1].numel(), item[3]) for item in items}) > 1:
+    where the chunk's tensors cannot share a launch: sizes, gradient kinds or weight decays differ, or no table may
+    be made (a CUDA graph is being captured: its eager run made it; TABLES_MAX reached). A table is kept for good,
+    since a captured graph reads it at each replay."""
+    if len({(item[1].numel(), item[3], item[11]) for item in items}) > 1:
         return None
+    device = items[0][1].device
     rows = tuple(tuple(t.data_ptr() for t in (g, m, v, master if from_master else p, p, gs, ms, vs, ws,
                                               rec if cert else gs))
                  for p, g, gs, _, m, ms, v, vs, master, ws, _, _, _, rec in items)
-    tab = TABLES.get(rows)
+    tab = TABLES.get((device, rows))
     if tab is None:
-        device = items[0][1].device
         if len(TABLES) >= TABLES_MAX or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
             return None
-        tab = TABLES[rows] = torch.tensor(rows, dtype=torch.int64).to(device)
+        tab = TABLES[(device, rows)] = torch.tensor(rows, dtype=torch.int64).to(device)
     return tab
 
 
