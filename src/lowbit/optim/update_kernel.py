@@ -89,8 +89,10 @@ if triton is not None:
 
     @triton.jit
     def _member(tab_ptr, t, j: tl.constexpr, like):
-        """Tensor t's j-th address of a grouped launch's table (MEMBERS per row), typed as `like`."""
-        return tl.load(tab_ptr + t * _MEMBERS + j).to(tl.pointer_type(like.dtype.element_ty))
+        """Tensor t's j-th address of a grouped launch's table (MEMBERS per row), typed as `like`; 16-byte aligned
+        (`_table` checks), as Triton assumes of a tensor argument: without it no load or store is vectorized and
+        none is pipelined."""
+        return tl.multiple_of(tl.load(tab_ptr + t * _MEMBERS + j).to(tl.pointer_type(like.dtype.element_ty)), 16)
 
     @triton.jit
     def _members(tab_ptr, t, g_ptr, m_ptr, v_ptr, w_ptr, p_ptr, gs_ptr, ms_ptr, vs_ptr, ws_ptr, rec_ptr,
@@ -505,15 +507,17 @@ def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, rec
 
 def _table(items: list[tuple], from_master: bool, cert: bool) -> torch.Tensor | None:
     """The addresses a grouped launch reads (MEMBERS per tensor: g, m, v, w, p, gs, ms, vs, ws, record), or None
-    where the chunk's tensors cannot share a launch: sizes, gradient kinds or weight decays differ, or no table may
-    be made (a CUDA graph is being captured: its eager run made it; TABLES_MAX reached). A table is kept for good,
+    where the chunk's tensors cannot share a launch: sizes, gradient kinds, weight decays or dtypes differ, an
+    address is not 16-byte aligned, or no table may be made (a CUDA graph is being captured: its eager run made it; TABLES_MAX reached). A table is kept for good,
     since a captured graph reads it at each replay."""
-    if len({(item[1].numel(), item[3], item[11]) for item in items}) > 1:
+    members = [(g, m, v, master if from_master else p, p, gs, ms, vs, ws, rec if cert else gs)
+               for p, g, gs, _, m, ms, v, vs, master, ws, _, _, _, rec in items]
+    if len({(item[1].numel(), item[3], item[11], *(t.dtype for t in row)) for item, row in zip(items, members)}) > 1:
+        return None
+    rows = tuple(tuple(t.data_ptr() for t in row) for row in members)
+    if any(a % 16 for row in rows for a in row):  # _member's promise
         return None
     device = items[0][1].device
-    rows = tuple(tuple(t.data_ptr() for t in (g, m, v, master if from_master else p, p, gs, ms, vs, ws,
-                                              rec if cert else gs))
-                 for p, g, gs, _, m, ms, v, vs, master, ws, _, _, _, rec in items)
     tab = TABLES.get((device, rows))
     if tab is None:
         if len(TABLES) >= TABLES_MAX or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
