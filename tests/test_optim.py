@@ -1065,6 +1065,34 @@ def test_grouped_launches_write_what_one_launch_per_tensor_writes():
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
+def test_grouped_launch_tables_used_twice_stay_while_single_use_ones_make_room(monkeypatch):
+    """update_kernel._table: a table a CUDA graph may replay (used twice: captured after an eager run with the same
+    tensors) is kept for good; ones used once (gradients at new addresses each step) are dropped to make room, and
+    past TABLES_MAX tables of two uses a chunk launches per tensor (None)."""
+    from lowbit.optim import update_kernel as uk
+
+    monkeypatch.setattr(uk, "TABLES", {})
+    monkeypatch.setattr(uk, "TABLES_MAX", 2)
+    none = torch.ones(())
+
+    def chunk():  # two tensors' items, fresh memory each call (only the placeholders' addresses repeat)
+        return [(torch.zeros(64), torch.zeros(64), none, "e4m3", torch.zeros(64), none, torch.zeros(64), none,
+                 none, none, torch.zeros(()), 0.1, None, none) for _ in range(2)]
+
+    kept = chunk()
+    first = uk._table(kept, False, False)
+    assert first is not None and uk._table(kept, False, False) is first  # used twice: kept
+    for _ in range(5):  # moving gradients: each table used once, making room for the next
+        assert uk._table(chunk(), False, False) is not None
+    assert len(uk.TABLES) == 2 and uk._table(kept, False, False) is first
+    other = chunk()
+    uk._table(other, False, False), uk._table(other, False, False)
+    assert uk._table(chunk(), False, False) is None  # full of tables a graph may read: per tensor
+    mixed = chunk()
+    mixed[1] = mixed[1][:11] + (0.0,) + mixed[1][12:]  # another weight decay: never grouped
+    assert uk._table(mixed, False, False) is None
+
+
 def test_weights_written_outside_the_optimizer_leave_no_amax_record_behind():
     """A record of the stored weights' amax (what certified scales start from) is zeroed, unknown, once the master
     has been written by anything but the Triton kernels (an in-place op on a ScaledFP16Weight, a model's

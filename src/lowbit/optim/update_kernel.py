@@ -67,8 +67,8 @@ SLACK = 2.0 ** -16  # _certified's relative widening of its bounds: many fp32 ro
 FAST = True  # approximate sqrt and reciprocal in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
 GROUP = True  # a chunk's tensors (one shape) in one launch per pass, their addresses read from a table (`_group`)
 MEMBERS = 10  # a grouped launch's table row: g, m, v, w, p, and the scales gs, ms, vs, ws, then the amax record
-TABLES: dict[tuple, torch.Tensor] = {}  # (device, address rows) -> their table there, kept for good (a captured
-TABLES_MAX = 4096  # graph reads it); past this many, chunks launch per tensor
+TABLES: dict[tuple, list] = {}  # (device, address rows) -> [their table there, uses] (`_table`)
+TABLES_MAX = 256  # tables kept; past this many (of more than one use each), chunks launch per tensor
 
 if triton is not None:
     import triton.language as tl
@@ -508,8 +508,10 @@ def _pass_one(args, n: int, wd: float, coef: dict, consts: dict, amax: dict, rec
 def _table(items: list[tuple], from_master: bool, cert: bool) -> torch.Tensor | None:
     """The addresses a grouped launch reads (MEMBERS per tensor: g, m, v, w, p, gs, ms, vs, ws, record), or None
     where the chunk's tensors cannot share a launch: sizes, gradient kinds, weight decays or dtypes differ, an
-    address is not 16-byte aligned, or no table may be made (a CUDA graph is being captured: its eager run made it; TABLES_MAX reached). A table is kept for good,
-    since a captured graph reads it at each replay."""
+    address is not 16-byte aligned, or no table may be made (a CUDA graph is being captured: its eager run made
+    it; TABLES_MAX reached). A table used twice is kept for good: a CUDA graph captures a call only after running
+    it eagerly with the same tensors, and replays its reads of the table. One used once (gradients that move each
+    step) makes room for others."""
     members = [(g, m, v, master if from_master else p, p, gs, ms, vs, ws, rec if cert else gs)
                for p, g, gs, _, m, ms, v, vs, master, ws, _, _, _, rec in items]
     if len({(item[1].numel(), item[3], item[11], *(t.dtype for t in row)) for item, row in zip(items, members)}) > 1:
@@ -518,11 +520,20 @@ def _table(items: list[tuple], from_master: bool, cert: bool) -> torch.Tensor | 
     if any(a % 16 for row in rows for a in row):  # _member's promise
         return None
     device = items[0][1].device
-    tab = TABLES.get((device, rows))
-    if tab is None:
-        if len(TABLES) >= TABLES_MAX or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+    entry = TABLES.get((device, rows))
+    if entry is not None:
+        entry[1] += 1
+        return entry[0]
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if len(TABLES) >= TABLES_MAX:
+        for key in [k for k, (_, uses) in TABLES.items() if uses == 1]:
+            del TABLES[key]  # the stream's later allocations wait for a launch still reading it
+        if len(TABLES) >= TABLES_MAX:
             return None
-        tab = TABLES[(device, rows)] = torch.tensor(rows, dtype=torch.int64).to(device)
+    host = torch.tensor(rows, dtype=torch.int64)
+    tab = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    TABLES[(device, rows)] = [tab, 1]
     return tab
 
 
