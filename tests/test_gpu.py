@@ -972,3 +972,41 @@ def test_certified_weight_scales_write_what_the_weights_amax_pass_writes_on_gpu(
     if not graphs:  # one call per chunk
         assert 0 < sum(ran) < len(ran) / 2, ran
 
+
+
+@pytest.mark.parametrize("scales", ["amax", "bound", "mixed"])
+@pytest.mark.parametrize("graphs", [False, True])
+def test_grouped_update_launches_write_what_one_launch_per_tensor_writes_on_gpu(graphs, scales, monkeypatch):
+    """update_kernel.GROUP on a GPU: fp8lm-o2's update with the tensors of one shape in one launch per pass (their
+    addresses from a table; CUDA graphs replayed or not, so a replay reads the table it was captured with) writes
+    every state, scale and amax record bit for bit as one launch per tensor, over ten steps with a gradient
+    spike."""
+    from lowbit.optim import LowbitAdamW, StatePrecision, update_kernel
+
+    prec = StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16", scales=scales)
+    shapes = ((512, 1536),) * 3 + ((1536, 512),) * 2 + ((512,),) * 2
+    tables = []
+    real = update_kernel._table
+    monkeypatch.setattr(update_kernel, "_table", lambda *a: tables.append(real(*a)) or tables[-1])
+
+    def run(group: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(update_kernel, "GROUP", group)
+        torch.manual_seed(0)
+        ps = [torch.nn.Parameter(torch.randn(s, device="cuda") * 0.02) for s in shapes]
+        opt = LowbitAdamW(ps, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1, precision=prec, cuda_graphs=graphs)
+        g = torch.Generator(device="cuda").manual_seed(1)
+        for step in range(10):
+            grads = [torch.randn(s, device="cuda", generator=g) * (30 if step == 5 else 1) for s in shapes]
+            sum((p.float() * gr).sum() for p, gr in zip(ps, grads)).backward()
+            opt.step()
+            opt.zero_grad()
+        if graphs:
+            assert opt._graphed[("update", ps[0].device)].graph is not None
+        return [t.clone() for p in ps for t in (*opt.state[p].values(), p._data, p._scale)] + \
+            [opt._amax[p].clone() for p in ps if p in opt._amax]
+
+    apart = run(False)
+    assert not tables
+    for a, b in zip(apart, run(True), strict=True):
+        assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    assert tables and all(t is not None for t in tables)

@@ -20,7 +20,8 @@ Grouped launches (GROUP): the tensors of a chunk (adamw.CHUNK tensors of one sha
 PER programs per tensor, each reading its tensor's addresses from a small table on the device (`_table`; kept for
 good, since a captured CUDA graph replays reads of it): at `7b` about 40 launches per pass instead of 291, with one
 last partial wave per chunk instead of per tensor. The programs compute what one launch per tensor computes, so
-the bytes written are the same (tests/test_optim.py, under the interpreter).
+the bytes written are the same (tests/test_optim.py, under the interpreter). Off by default: not yet timed on a
+GPU (benchmarks/optim_kernel_sweep.py has it as a knob).
 
 Each program walks ITERS blocks, so its scalars (scales, bias corrections, correctly rounded divisions) are
 computed once per ITERS x BLOCK elements, and STAGES blocks are in flight: Triton's pipeliner copies the next
@@ -65,7 +66,8 @@ COUNTS: dict[torch.device, torch.Tensor] = {}  # per device: weights' amax passe
 # zero them in place to count afresh (reset_counts): a captured update adds to the tensors it was captured with
 SLACK = 2.0 ** -16  # _certified's relative widening of its bounds: many fp32 roundings
 FAST = True  # approximate sqrt and reciprocal in the weight's step (benchmarks/optim_kernel_sweep.py measures it)
-GROUP = True  # a chunk's tensors (one shape) in one launch per pass, their addresses read from a table (`_group`)
+GROUP = False  # a chunk's tensors (one shape) in one launch per pass, addresses from a table (`_table`); off
+# until a GPU has timed it (benchmarks/optim_kernel_sweep.py)
 MEMBERS = 10  # a grouped launch's table row: g, m, v, w, p, and the scales gs, ms, vs, ws, then the amax record
 TABLES: dict[tuple, list] = {}  # (device, address rows) -> [their table there, uses] (`_table`)
 TABLES_MAX = 256  # tables kept; past this many (of more than one use each), chunks launch per tensor
