@@ -412,3 +412,24 @@ def test_bench_optim_update_paths(tmp_path, capsys):
                                                                                           "lowbit fp8lm-o2"}
     code, _, err = cli(capsys, "bench", "optim", *FAST, "--shape", "32x16", "--update", "both", "--out", out)
     assert code == 2 and "needs a GPU with Triton" in err
+
+
+def test_bench_optim_profile_splits_a_step_by_pass(monkeypatch):
+    """`bench optim --profile`'s row: the kernel time of each Triton pass by its kernel's name, the rest as other
+    kernels, and the timed step less the kernels' busy time as time with no kernel running."""
+    import torch
+
+    from lowbit.tools.bench import optim, profile
+
+    top = [{"kernel": "_write_kernel", "kind": "aten", "ms": 30.0, "calls": 40},
+           {"kernel": "_amax_kernel", "kind": "aten", "ms": 9.0, "calls": 40},
+           {"kernel": "_weights_amax_kernel", "kind": "aten", "ms": 0.5, "calls": 40},
+           {"kernel": "multi_tensor_apply_kernel", "kind": "aten", "ms": 1.5, "calls": 3}]
+    fake = {f"{k}_ms": 0.0 for k in profile.KIND_NAMES}
+    fake.update(aten_ms=41.0, kernels=123, busy_ms=40.5, top=top)
+    monkeypatch.setattr(profile, "kernel_ms", lambda step, device, top=12: fake)
+    row = optim._profile(lambda: None, torch.device("cuda"), 43.0)
+    assert (row["writes_ms"], row["pass_one_ms"], row["weights_pass_ms"]) == (30.0, 9.0, 0.5)
+    assert row["other_kernels_ms"] == 1.5 and row["launches"] == 123 and row["idle_ms"] == 2.5
+    monkeypatch.setattr(profile, "kernel_ms", lambda step, device, top=12: {})  # a CPU: nothing to split
+    assert optim._profile(lambda: None, torch.device("cpu"), 43.0) == {}

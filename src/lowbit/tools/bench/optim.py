@@ -129,8 +129,11 @@ def run_optim(a, device: torch.device, report: Report) -> None:
                 update_kernel.reset_counts()
                 row.update(time_ms(opt.step, device, a.steps, a.warmup))
                 row.update(_passes(device))
-                if a.profile:
-                    row.update(_profile(opt.step, device, row["ms"]))
+                if a.profile:  # a profiler failure loses the profile, not the timing
+                    try:
+                        row.update(_profile(opt.step, device, row["ms"]))
+                    except Exception as e:
+                        row["profile_error"] = f"{type(e).__name__}: {e}"
             row.update(params_m=total / 1e6, covered_pct=100 * covered / total, bytes_per_param=moved / total,
                        gb_per_s=moved / (row["ms"] / 1e3) / 1e9)
             if hbm:
