@@ -17,8 +17,8 @@ runs no blocks; where it does not, it reads the weights and only the few weights
 be the largest. Same bytes written (`_certified`); at `7b` on an H100, 45.4 -> 43.1 ms back to back.
 
 Grouped launches (GROUP): the tensors of a chunk (adamw.CHUNK tensors of one shape) share one launch per pass,
-PER programs per tensor, each reading its tensor's addresses from a small table on the device (`_table`; kept for
-good, since a captured CUDA graph replays reads of it): at `7b` about 40 launches per pass instead of 291, with one
+PER programs per tensor, each reading its tensor's addresses from a small table on the device (`_table`; one a
+captured CUDA graph may replay is kept for good): at `7b` about 40 launches per pass instead of 291, with one
 last partial wave per chunk instead of per tensor. The programs compute what one launch per tensor computes, so
 the bytes written are the same (tests/test_optim.py, under the interpreter). Off by default: not yet timed on a
 GPU (benchmarks/optim_kernel_sweep.py has it as a knob).
