@@ -861,6 +861,21 @@ def test_mixed_scales_write_the_amax_first_moment_and_the_fp16_states_as_they_ar
     assert lower > 0
 
 
+def _interpreted(source: str, timeout: int = 600):
+    """Run `source` as a script under Triton's CPU interpreter (a file: triton.jit reads its functions' source)."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        script = os.path.join(tmp, "check.py")
+        with open(script, "w") as f:
+            f.write(source)
+        env = {**os.environ, "TRITON_INTERPRET": "1"}
+        return subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=timeout)
+
+
 UPDATE_KERNEL_CHECK = """
 import torch
 from lowbit.optim import update_kernel as uk, LowbitAdamW, StatePrecision
@@ -906,20 +921,13 @@ print("ok")
 
 
 @pytest.mark.skipif(kernels.triton is None, reason="needs Triton")
-def test_update_kernels_write_what_the_torch_update_writes_under_the_interpreter(tmp_path):
+def test_update_kernels_write_what_the_torch_update_writes_under_the_interpreter():
     """optim/update_kernel.py's kernels, every kind of scales (amax: two passes; bound: one; mixed: the first
     moment's amax pass, then the one-pass writes), one fp8lm-o2 and one fp8lm-o3 step under Triton's CPU
     interpreter against the eager torch update: the same scales and amax records, the FP16 and bf16 states the
     same or a neighbour apart (fp32 rounding of fused products), E4M3 within a neighbour. A GPU test compares
     them with the compiled update."""
-    import os
-    import subprocess
-    import sys
-
-    script = tmp_path / "check.py"  # a file: triton.jit reads its functions' source
-    script.write_text(UPDATE_KERNEL_CHECK)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=600)
+    done = _interpreted(UPDATE_KERNEL_CHECK)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
 
 
@@ -981,17 +989,7 @@ def test_certified_weight_scales_write_the_bytes_the_weights_amax_pass_writes():
     the amax pass always run, at a learning rate where most scales are fixed (not the first: no record) and one
     where many are not; where the weights' pass ran, it found pass one's amax exactly, though it reads the
     gradient and moments only of the weights that could be the largest (rivals for the largest planted)."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "check.py")  # a file: triton.jit reads its functions' source
-        with open(script, "w") as f:
-            f.write(CERTIFIED_CHECK)
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=600)
+    done = _interpreted(CERTIFIED_CHECK)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 
@@ -1051,17 +1049,7 @@ def test_grouped_launches_write_what_one_launch_per_tensor_writes():
     its tensor's addresses in a table, write every state, scale and amax record bit for bit as one launch per
     tensor does: amax (with certified weight scales), bound and mixed scales, FP16 weights and a bf16 model with an
     FP16 master, under Triton's CPU interpreter (chunks of three, two and two tensors of one shape)."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    with tempfile.TemporaryDirectory() as tmp:
-        script = os.path.join(tmp, "check.py")  # a file: triton.jit reads its functions' source
-        with open(script, "w") as f:
-            f.write(GROUPED_CHECK)
-        env = {**os.environ, "TRITON_INTERPRET": "1"}
-        done = subprocess.run([sys.executable, script], env=env, capture_output=True, text=True, timeout=900)
+    done = _interpreted(GROUPED_CHECK, timeout=900)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stdout[-2000:] + done.stderr[-3000:]
 
 

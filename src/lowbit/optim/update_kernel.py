@@ -437,8 +437,8 @@ def update(items: list[tuple], lr: torch.Tensor, beta1: float, beta2: float, eps
     scales, news, steps = [], [], []
     with torch.cuda.device(lr.device) if lr.is_cuda else contextlib.nullcontext():  # Triton's interpreter: CPU
         tab = _table(items, from_master, cert) if GROUP and len(items) > 1 else None
-        launches = [(items, tab)] if tab is not None else [([item], None) for item in items]
-        for first, (group, tab) in zip(range(0, len(items), 1 if tab is None else len(items)), launches):
+        launches = [(0, items, tab)] if tab is not None else [(i, [item], None) for i, item in enumerate(items)]
+        for first, group, tab in launches:  # (first item's index, its items, their table or None)
             p, g, gs, g_kind, m, ms, v, vs, master, ws, step, wd, _, rec = group[0]
             n = g.numel()
             args = (g, m, v, master if from_master else p, p, gs, ms, vs, ws, lr, buf[first])

@@ -82,7 +82,6 @@ def _profile(step, device: torch.device, ms: float) -> dict:
     if not k:
         return {}
     out = {v: 0.0 for v in PASSES.values()}
-    other = 0.0
     for entry in k["top"]:
         key = PASSES.get(entry["kernel"])
         if key:
