@@ -95,10 +95,11 @@ STEPS: tuple[Step, ...] = (
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes bf16,fp8-tensorwise,"
                 "fp8-tensorwise+numerics.fused_producers=true --torchao tensorwise", "step_7b_fused_{dev}.json"),),
          ("step_7b_fused_{dev}.json",)),
-    Step("block-7b", "one 7b block, 4 x 2048, fwd+bwd, with and without the fused FP8 producers, beside bf16 and "
-         "torchao (fits where the 7b step's bf16 does not)",
+    Step("block-7b", "one 7b block, 4 x 2048, fwd+bwd, with and without the fused FP8 producers and fast "
+         "accumulation, beside bf16 and torchao (fits where the 7b step's bf16 does not)",
          (bench("block --preset 7b --batch 4 --seq 2048 --steps 20 --warmup 5 --recipes bf16,fp8-tensorwise,"
-                "fp8-tensorwise+numerics.fused_producers=true --torchao tensorwise", "block_7b_{dev}.json"),),
+                "fp8-tensorwise+numerics.fprop_accum=precise,fp8-tensorwise+numerics.fused_producers=true "
+                "--torchao tensorwise", "block_7b_{dev}.json"),),
          ("block_7b_{dev}.json",)),
     Step("build-7b", "building the 7b model (the build s column)",
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes fp8-tensorwise,fp8lm-o2 "
@@ -107,8 +108,10 @@ STEPS: tuple[Step, ...] = (
          (bench("step --preset 7b --seq 2048 --max-batch 32 --steps 3 --warmup 1 --recipes bf16,fp8lm-o2 "
                 "--torchao tensorwise", "capacity_7b_{dev}.json"),), ("capacity_7b_{dev}.json",)),
     Step("train-13b", "13b trained under fp8lm-o2 for 50 steps", (TRAIN_13B,), ("train_13b_{dev}.json",)),
-    Step("step-1b", "the 1b step: bf16, fp8-tensorwise, torchao, alone and in a row",
-         (bench(f"{S1B} --recipes bf16,fp8-tensorwise --torchao tensorwise", "step_1b_torchao_{dev}.json"),),
+    Step("step-1b", "the 1b step: bf16, fp8-tensorwise (fast and precise forward accumulation), fp8lm-o2, torchao, "
+         "alone and in a row",
+         (bench(f"{S1B} --recipes bf16,fp8-tensorwise,fp8-tensorwise+numerics.fprop_accum=precise,fp8lm-o2 "
+                "--torchao tensorwise", "step_1b_torchao_{dev}.json"),),
          ("step_1b_torchao_{dev}.json",)),
     Step("profile-1b", "where the 1b step's time goes (fp8-tensorwise with and without the fused FP8 producers, "
          "fp8-delayed, torchao)",

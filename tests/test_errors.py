@@ -46,6 +46,8 @@ def dataset(tmp_path_factory) -> Path:
     (["--recipe", "fp4", "--numerics.dge_clamp", "0"], ["numerics.dge_clamp", "> 0"]),
     (["--recipe", "fp8-tensorwise", "--numerics.occ_products", "fp8"], ["numerics.occ_products", "no OCC"]),
     (["--recipe", "fp4", "--numerics.occ_products", "fp4"], ["numerics.occ_products", "'fp4' is not one of"]),
+    (["--recipe", "bf16", "--numerics.fprop_accum", "precise"], ["numerics.fprop_accum", "no low-precision"]),
+    (["--numerics.fprop_accum", "slow"], ["numerics.fprop_accum", "'slow' is not one of"]),
     (["--recipe", "fp8-rowwise", "--numerics.scaling", "delayed"], ["numerics.scaling", "one scale per tensor"]),
     (["--recipe", "fp8-tensorwise", "--numerics.interval", "4"], ["numerics.interval", "no delayed scaling"]),
     (["--recipe", "bf16", "--numerics.margin", "1"], ["numerics.margin", "no low-precision linears"]),

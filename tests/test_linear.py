@@ -251,8 +251,10 @@ def test_resume_with_delayed_scaling_is_bit_exact(tmp_path, capsys):
     assert state["layers.0.attention.wq.scaling.grad_output.amax_history"].shape == (1024,)
 
 
-def test_fast_accumulation_only_in_fprop(monkeypatch):
+@pytest.mark.parametrize("accum, fprop", [("", True), ("fast", True), ("precise", False)])
+def test_fast_accumulation_only_in_fprop_and_as_numerics_fprop_accum_says(monkeypatch, accum, fprop):
     import lowbit.numerics.linear
+    from lowbit.train.plan import load_config, resolve_recipe
 
     calls = []
     real = lowbit.numerics.linear.scaled_matmul
@@ -262,9 +264,10 @@ def test_fast_accumulation_only_in_fprop(monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(lowbit.numerics.linear, "scaled_matmul", spy)
-    layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
+    recipe = resolve_recipe(load_config(None, ["--recipe", "fp8-tensorwise", "--numerics.fprop_accum", accum]))
+    layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), recipe.linear)
     layer(torch.randn(16, 64, requires_grad=True)).sum().backward()
-    assert calls == [True, False, False]  # fprop, dgrad, wgrad
+    assert calls == [fprop, False, False]  # fprop, dgrad, wgrad
 
 
 def test_wgrad_in_high_precision():
@@ -340,3 +343,27 @@ def test_scaling_knobs_reach_every_operand_and_change_the_scales():
     lin, half = run("fp8-tensorwise", "--numerics.margin", "1", steps=1)
     _, full = run("fp8-tensorwise", steps=1)
     assert {s.margin for s in (lin.input, lin.weight, lin.grad_output)} == {1} and half[0] == full[0] / 2
+
+
+def test_dgrad_under_autocast_writes_the_autocast_dtype_as_nn_linear_does(monkeypatch):
+    """An fp32 input (a norm's output) under bf16 autocast gets its gradient from a bf16 dgrad, cast up, as
+    nn.Linear's; wgrad stays in the weight's dtype."""
+    import lowbit.numerics.linear
+
+    dtypes = []
+    real = lowbit.numerics.linear.scaled_matmul
+
+    def spy(a, b, out_dtype, **kwargs):
+        dtypes.append(out_dtype)
+        return real(a, b, out_dtype, **kwargs)
+
+    monkeypatch.setattr(lowbit.numerics.linear, "scaled_matmul", spy)
+    torch.manual_seed(0)
+    layer = LowPrecisionLinear.from_linear(nn.Linear(64, 32, bias=False), get_recipe("fp8-tensorwise").linear)
+    x = torch.randn(16, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = layer(x)
+    y.float().pow(2).sum().backward()
+    assert dtypes == [torch.bfloat16, torch.bfloat16, torch.float32]  # fprop, dgrad, wgrad
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, x.grad.bfloat16().float())
+    assert layer.weight.grad.dtype == torch.float32

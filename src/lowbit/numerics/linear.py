@@ -156,7 +156,9 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         # A tensorwise FP8 weight is reused, transposed, by dgrad; other granularities re-quantize the parameter.
         ctx.qw = qwt if ctx.wt else qw if r.weight.granularity == "tensor" else None
         ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, sink is not None, telemetry_layer, go_group
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        # dgrad writes out_dtype, as nn.Linear under autocast does: an fp32 input (a norm's output) gets its gradient
+        # in bf16, cast up (compiled, inside the kernel that reads it), not an fp32 GEMM output
+        ctx.x_shape, ctx.x_dtype, ctx.dx_dtype = x.shape, x.dtype, out_dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
@@ -185,7 +187,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 wt = ctx.qw
             else:
                 wt = ctx.qw.t() if r.weight.granularity == "tensor" else quantize(weight.t(), r.weight)
-            dx = scaled_matmul(qdy, wt, ctx.x_dtype)
+            dx = scaled_matmul(qdy, wt, ctx.dx_dtype)
             # wgrad: dyᵀ [N, M] @ (xᵀ [K, M])ᵀ
             if r.wgrad_hp:
                 dw = (dy2.t() @ qx.dequantize(dy.dtype)).to(weight.dtype)
@@ -212,8 +214,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
                 dw = dw + occ_wgrad(occ_idx, occ_val, dy2, weight.shape[1]).t().to(dw.dtype)
         seen = torch.cat([reports, report(amax if g.granularity == "tensor" else None, bad)[None]]) \
             if ctx.report else None
-        return (dx.reshape(ctx.x_shape), dw, None, None, None, None, None, seen, None, None, None, None, None, None,
-                None, None)
+        return (dx.reshape(ctx.x_shape).to(ctx.x_dtype), dw, None, None, None, None, None, seen, None, None, None,
+                None, None, None, None, None)
 
 
 def _scaling_states(recipe: LinearRecipe, device) -> OperandStates:

@@ -141,6 +141,16 @@ def with_occ_products(recipe: Recipe, products: str = "") -> Recipe:
     return replace(recipe, linear=replace(recipe.linear, occ=replace(recipe.linear.occ, products=products)))
 
 
+def with_fprop_accum(recipe: Recipe, accum: str = "") -> Recipe:
+    """The recipe with its forward GEMMs' FP8 accumulation overridden where given (numerics.fprop_accum): fast
+    skips Hopper's periodic promotion of partial sums to fp32."""
+    if not accum:
+        return recipe
+    if recipe.linear is None:
+        raise LowbitError(f"numerics.fprop_accum: recipe {recipe.name} has no low-precision linears")
+    return replace(recipe, linear=replace(recipe.linear, fast_accum_fprop=accum == "fast"))
+
+
 def with_scaling(recipe: Recipe, strategy: str = "", history: int | None = None, interval: int | None = None,
                  margin: int | None = None) -> Recipe:
     """The recipe with the scaling of its linears' GEMM operands (input, weight, grad_output) overridden where

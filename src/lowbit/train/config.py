@@ -119,6 +119,8 @@ class NumericsConfig:
     interval: int | None = opt(None, "delayed operands: recompute the scale every N steps; unset: the recipe's")
     margin: int | None = opt(None, "every operand: scale by 2^-margin below fmt.max / amax (headroom); unset: the "
                                    "recipe's (0)")
+    fprop_accum: str = opt("", "FP8 forward GEMMs' accumulation: fast (Hopper's, without the periodic promotion of "
+                               "partial sums to fp32) | precise; empty: the recipe's (fast)")
     fused_producers: bool = opt(False, "the blocks' RMSNorms and SwiGLU write their output directly as FP8 for the "
                                        "linears reading it (recipes with one current or delayed scale per tensor on the "
                                        "input)")
@@ -328,6 +330,7 @@ CHOICES = {
     "model.sdpa_backend": ("auto", "cudnn", "flash", "efficient", "math"),
     "numerics.scaling": ("", "current", "delayed"),
     "numerics.occ_products": None,  # filled from numerics.fp4 (PRODUCTS) at validation time
+    "numerics.fprop_accum": ("", "fast", "precise"),
     "model.checkpointing": ("none", "full", "selective"),
     "train.compile_scope": COMPILE_SCOPES,
     "train.dtype": ("auto", "fp32", "bf16"),

@@ -14,7 +14,7 @@ from lowbit.errors import LowbitError
 from lowbit.models.llama import Llama, resolve_model_args
 from lowbit.numerics.fused_producers import unsupported
 from lowbit.numerics.recipes import (Recipe, check_keep, get_recipe, is_fp8, keep_patterns, with_dge, with_filters,
-                                    with_occ_products, with_scaling)
+                                    with_fprop_accum, with_occ_products, with_scaling)
 from lowbit.optim.precision import StatePrecision
 from lowbit.train.config import Config, read_config
 
@@ -108,7 +108,7 @@ def resolve_recipe(cfg: Config) -> Recipe:
                           min_dim=n.min_dim, keep=n.keep, fp8_attention=n.fp8_attention)
     recipe = with_scaling(with_occ_products(with_dge(recipe, n.dge_k, n.dge_clamp), n.occ_products), n.scaling,
                           n.history, n.interval, n.margin)
-    recipe = dataclasses.replace(recipe, fused_producers=n.fused_producers)
+    recipe = dataclasses.replace(with_fprop_accum(recipe, n.fprop_accum), fused_producers=n.fused_producers)
     fields = {f.name for f in dataclasses.fields(StatePrecision)}
     over = {k: v for k, v in dataclasses.asdict(cfg.optim).items() if v and k in fields}
     return dataclasses.replace(recipe, optim=StatePrecision(**{**dataclasses.asdict(recipe.optim), **over}))
