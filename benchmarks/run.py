@@ -95,11 +95,10 @@ STEPS: tuple[Step, ...] = (
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes bf16,fp8-tensorwise,"
                 "fp8-tensorwise+numerics.fused_producers=true --torchao tensorwise", "step_7b_fused_{dev}.json"),),
          ("step_7b_fused_{dev}.json",)),
-    Step("block-7b", "one 7b block, 4 x 2048, fwd+bwd, with and without the fused FP8 producers and fast "
-         "accumulation, beside bf16 and torchao (fits where the 7b step's bf16 does not)",
+    Step("block-7b", "one 7b block, 4 x 2048, fwd+bwd, with and without the fused FP8 producers, beside bf16 and "
+         "torchao (fits where the 7b step's bf16 does not)",
          (bench("block --preset 7b --batch 4 --seq 2048 --steps 20 --warmup 5 --recipes bf16,fp8-tensorwise,"
-                "fp8-tensorwise+numerics.fprop_accum=precise,fp8-tensorwise+numerics.fused_producers=true "
-                "--torchao tensorwise", "block_7b_{dev}.json"),),
+                "fp8-tensorwise+numerics.fused_producers=true --torchao tensorwise", "block_7b_{dev}.json"),),
          ("block_7b_{dev}.json",)),
     Step("build-7b", "building the 7b model (the build s column)",
          (bench("step --preset 7b --batch 4 --seq 2048 --steps 5 --warmup 2 --recipes fp8-tensorwise,fp8lm-o2 "

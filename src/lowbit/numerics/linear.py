@@ -158,7 +158,8 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, sink is not None, telemetry_layer, go_group
         # Compiled, dgrad writes out_dtype, as nn.Linear under autocast does: an fp32 input (a norm's output) gets its
         # gradient from a bf16 GEMM output, cast up inside the kernel that reads it (half the bytes of an fp32
-        # output; the 1b step 3% faster on an H100). Eagerly that cast would be a pass of its own: fp32 there.
+        # output). Eagerly fp32: the cast would be a pass of its own, and an eager bf16 dgrad gave NaN gradients in
+        # one GPU test (tests/test_gpu.py, keeping_their_inputs; cause not found, BENCHMARKS.md).
         dx_dtype = out_dtype if torch.compiler.is_compiling() else x.dtype
         ctx.x_shape, ctx.x_dtype, ctx.dx_dtype = x.shape, x.dtype, dx_dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])

@@ -119,8 +119,9 @@ class NumericsConfig:
     interval: int | None = opt(None, "delayed operands: recompute the scale every N steps; unset: the recipe's")
     margin: int | None = opt(None, "every operand: scale by 2^-margin below fmt.max / amax (headroom); unset: the "
                                    "recipe's (0)")
-    fprop_accum: str = opt("", "FP8 forward GEMMs' accumulation: fast (Hopper's, without the periodic promotion of "
-                               "partial sums to fp32) | precise; empty: the recipe's (fast)")
+    fprop_accum: str = opt("", "FP8 forward GEMMs' accumulation on a GPU: fast (Hopper's, without the periodic "
+                               "promotion of partial sums to fp32) | precise; empty: the recipe's (fast); the CPU's "
+                               "emulation sums in fp32 either way")
     fused_producers: bool = opt(False, "the blocks' RMSNorms and SwiGLU write their output directly as FP8 for the "
                                        "linears reading it (recipes with one current or delayed scale per tensor on the "
                                        "input)")
