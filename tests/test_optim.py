@@ -750,6 +750,19 @@ def test_graph_key_refuses_tensor_subclasses():
     assert key_of([(t, t.as_subclass(Wrapper))]) is None
 
 
+def test_graph_key_tells_apart_what_a_replay_bakes_in():
+    """Equal for the same memory and values; different for another address, size, dtype, value, or (for a tensor
+    that is not contiguous) layout."""
+    from lowbit.optim.graphs import key_of
+
+    t = torch.zeros(4, 6)
+    assert key_of([(t, 1.0)]) == key_of([(t.view(6, 4), 1.0)]) == key_of([(t.detach(), 1.0)])
+    for other in (torch.zeros(4, 6), t[:2], t.view(torch.int32), t.half()):
+        assert key_of([(t, 1.0)]) != key_of([(other, 1.0)])
+    assert key_of([(t, 1.0)]) != key_of([(t, 2.0)]) != key_of([(t, 2.0, t)])
+    assert key_of([t.t()]) != key_of([t.view(6, 4).t()])  # same address and size, other strides
+
+
 O2 = StatePrecision(weights="fp16", grads="e4m3", exp_avg="e4m3", exp_avg_sq="fp16")
 
 
