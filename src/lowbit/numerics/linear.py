@@ -10,7 +10,8 @@ compiled, a tensorwise input is saved as it came and cast again in backward, whi
 instead of keeping it (`_keeps_input`). Where the backward needs an operand scaled along another dimension: the
 weight is re-quantized from the parameter (kept anyway); the input, whose high-precision copy is gone, is
 re-quantized from its dequantized value (tensor granularity needs neither: the transpose keeps the scale).
-Eagerly on a GPU with one FP8 scale per tensor, the input, the weight and the output gradient are each cast and
+Eagerly on a GPU with one FP8 scale per tensor, where kernels.FUSED_TRANSPOSE is on (off for now: the kernel's
+transposed copies were found wrong on an H100), the input, the weight and the output gradient are each cast and
 transposed in one pass (`qtensor.cast_transpose`), and backward keeps the transposed input and weight (the bytes
 its GEMMs read) instead of transposing them there.
 
@@ -158,8 +159,7 @@ class _LowPrecisionMatmul(torch.autograd.Function):
         ctx.recipe, ctx.report, ctx.telemetry_layer, ctx.go_group = r, sink is not None, telemetry_layer, go_group
         # Compiled, dgrad writes out_dtype, as nn.Linear under autocast does: an fp32 input (a norm's output) gets its
         # gradient from a bf16 GEMM output, cast up inside the kernel that reads it (half the bytes of an fp32
-        # output). Eagerly fp32: the cast would be a pass of its own, and an eager bf16 dgrad gave NaN gradients in
-        # one GPU test (tests/test_gpu.py, keeping_their_inputs; cause not found, BENCHMARKS.md).
+        # output). Eagerly fp32: the cast would be a pass of its own.
         dx_dtype = out_dtype if torch.compiler.is_compiling() else x.dtype
         ctx.x_shape, ctx.x_dtype, ctx.dx_dtype = x.shape, x.dtype, dx_dtype
         return y.reshape(*x.shape[:-1], weight.shape[0])

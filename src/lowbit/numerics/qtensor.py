@@ -74,9 +74,9 @@ def quantize(x: torch.Tensor, s: Scaling, state: ScalingState | None = None, upd
 
 
 def transpose_fused(x: torch.Tensor, s: Scaling) -> bool:
-    """Whether `cast_transpose` of this 2-D `x` runs as one Triton pass (eager on a GPU, one FP8 scale per tensor);
-    elsewhere it is the cast and a copy of the transposed bytes."""
-    return x.dim() == 2 and _on_triton(x, s)
+    """Whether `cast_transpose` of this 2-D `x` runs as one Triton pass (eager on a GPU, one FP8 scale per tensor,
+    where kernels.FUSED_TRANSPOSE: off, see there); elsewhere it is the cast and a copy of the transposed bytes."""
+    return x.dim() == 2 and kernels.FUSED_TRANSPOSE and _on_triton(x, s)
 
 
 def cast_transpose(x: torch.Tensor, s: Scaling, scale: torch.Tensor) -> tuple[QTensor, QTensor]:
