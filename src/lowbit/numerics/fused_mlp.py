@@ -1,6 +1,6 @@
 """The SwiGLU product and the linear that reads it (LLaMA's w2) as one autograd Function: silu(a)·b is written
 directly as FP8 (`producers.swiglu_fp8`), never as a bf16 tensor, and the weight and the output gradient are cast
-with their transposes in one pass each (`qtensor.cast_transpose`).
+with their transposes (`qtensor.cast_transpose`: in one pass each where kernels.FUSED_TRANSPOSE is on).
 
 Scope: one scale per tensor by current scaling (fp8-tensorwise's linears). Its casts are not recorded in w2's
 scaling state (`ScalingState`: the last amax and scale, counters), and a bad amax of dy casts with scale 1 where

@@ -6,9 +6,9 @@ the cast itself (numerics.producers' kernels: the same formulas, the same bytes)
 on: the linear takes those bytes and that cast's report, as if it had cast them. The attention norm's one FP8
 copy serves wq, wk and wv alike, as their three identical casts would have (one scale per tensor, current:
 `scale_from_amax` of the one amax). Where the linears' weight gradients read the input in FP8, the cast pass also
-writes it transposed (the copy those GEMMs take, kept for backward instead of the row-major one), as the unfused
-linear's `cast_transpose` does: without it the backward transposed the FP8 bytes in a copy of its own (on an H100,
-23.5 ms of `clone_t` kernels in the compiled `1b` step).
+writes it transposed (the copy those GEMMs take, kept for backward instead of the row-major one): without it the
+backward transposed the FP8 bytes in a copy of its own (on an H100, 23.5 ms of `clone_t` kernels in the compiled
+`1b` step).
 
 Backward is the unfused one: the model's own formulas (models.llama `rmsnorm_backward`, `silu_mul_backward`) on
 the high-precision inputs, kept as the plain modules keep them (with their saved-activation codec, if any); each

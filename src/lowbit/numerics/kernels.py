@@ -2,13 +2,13 @@
 read and one write, `quantize` (amax, scale, cast) in three launches, and `cast_transpose`: the cast written row-major
 and transposed in one read (the copies a linear's fprop and its backward's GEMMs take), optionally with the amax of
 what it read (for a delayed scale's history), registered as the custom op `lowbit::cast_transpose` so that a graph
-torch.compile traces keeps it as one call.
+torch.compile traces keeps it as one call; off in the linears (FUSED_TRANSPOSE).
 
 torch's eager ops take several passes for what these do in one: `x.abs().amax()` writes |x| out before reducing
 it, and `(x.float() * scale).clamp(...).to(fp8)` writes fp32 twice. Under torch.compile inductor fuses the same
 math into its own kernels (and with the ops around them), so these run only outside it (`usable`). Their results
-are bit for bit those of the torch formulas in scaling.py and qtensor.py (tests/test_gpu.py compares them); a
-CPU without Triton never reaches them.
+are meant to be bit for bit those of the torch formulas in scaling.py and qtensor.py (tests/test_gpu.py compares
+them; cast_transpose's transposed bytes failed that on an H100); a CPU without Triton never reaches them.
 """
 
 from __future__ import annotations
@@ -80,9 +80,8 @@ if triton is not None:
 
     @triton.jit
     def _saturate(y, FMT_MAX: tl.constexpr):
-        # clamp to ±FMT_MAX, NaN kept. Not tl.clamp(propagate_nan=ALL), one instruction on sm90 (commit c49aa05,
-        # times unchanged): since it, _cast_transpose_kernel's transposed bytes were found wrong (FUSED_TRANSPOSE),
-        # and this is the form the kernels had while their GPU tests passed (and producers._to_fp8's)
+        # clamp to ±FMT_MAX, NaN kept, by min and max: not tl.clamp(propagate_nan=ALL), suspect since the transposed
+        # copies went wrong (FUSED_TRANSPOSE)
         return tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))
 
     @triton.jit
@@ -177,11 +176,8 @@ def quantize(x: torch.Tensor, fmt_max: float, dtype: torch.dtype) -> tuple[torch
 # queue). Module globals: `lowbit bench kernels` times other tiles on a GPU.
 CT_BLOCK_M, CT_BLOCK_N, CT_WARPS = 128, 128, 8
 # Whether qtensor.cast_transpose runs _cast_transpose_kernel (one pass) or `cast` and torch's copy of the transposed
-# bytes. Off: on an H100 (torch 2.11) the kernel's transposed copies of a small LLaMA's weights and activations
-# ([256, 768] fp32, [512, 256] bf16: sizes that are multiples of 16) held 1-4% NaN bytes where its row-major copies
-# were right, so eager FP8 training got NaN gradients (compiled training never calls it). Its GPU test had covered
-# a 1000-row tensor only; it now takes those shapes too, and the clamp is back to its earlier form (_saturate). On
-# again once that test passes on a GPU; the kernel stays for the test and `lowbit bench kernels`.
+# bytes. Off: on an H100 its transposed copies of fp32 tensors held NaN bytes (docs/numerics.md); on again once its
+# GPU tests pass, repeated.
 FUSED_TRANSPOSE = False
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
