@@ -65,3 +65,17 @@ class RaiseInBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         raise RuntimeError("raised in backward")
+
+
+def build_for_hopper(fn, types: list[str], constants: dict, divisible=(), num_warps: int = 8):
+    """A Triton kernel built through ptxas for sm90 without a GPU: `types` its arguments' (pointers taken 16-byte
+    aligned), `constants` its constexprs, `divisible` the integer arguments Triton may take as multiples of 16."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import ASTSource
+
+    signature = {**dict(zip(fn.arg_names, types)), **{k: "constexpr" for k in constants}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types)
+             if t.startswith("*") or fn.arg_names[i] in divisible}
+    src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

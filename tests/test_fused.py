@@ -120,28 +120,22 @@ def test_swiglu_linear_is_the_unfused_mlp_tail_bit_for_bit():
 
 
 def test_cast_kernels_build_for_hopper_without_the_one_instruction_clamp():
-    """kernels.py's casts build through ptxas for sm90, at sizes that are multiples of 16 and not (Triton's
-    specializations), and clamp by min and max: not by the one NaN-keeping instruction (`xorsign`) they used when
-    the transposed copies were found wrong on an H100 (kernels.FUSED_TRANSPOSE). No GPU needed."""
+    """kernels.py's casts build through ptxas for sm90, from bf16 and fp32, at sizes that are multiples of 16 and
+    not (Triton's specializations), and clamp by min and max: not by the one NaN-keeping instruction (`xorsign`)
+    they used when the transposed copies were found wrong on an H100 (kernels.FUSED_TRANSPOSE). No GPU needed."""
     import pytest
 
+    from conftest import build_for_hopper
     from lowbit.numerics import kernels
 
     if kernels.triton is None:
         pytest.skip("needs Triton")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
-    cases = [(kernels._cast_transpose_kernel, ["*bf16", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "i32", "i32"],
-              dict(FMT_MAX=448.0, AMAX=False, BM=128, BN=128), ("M", "N")),
-             (kernels._cast_kernel, ["*fp32", "*fp8e5", "*fp32", "*fp32", "*fp32", "i32"],
-              dict(FMT_MAX=57344.0, FROM_STATS=False, BLOCK=4096, REVERSE=True), ("n",))]
-    for fn, types, constants, sizes in cases:
-        for aligned in (True, False):
-            signature = {**dict(zip(fn.arg_names, types)), **{k: "constexpr" for k in constants}}
-            attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types)
-                     if t.startswith("*") or (aligned and fn.arg_names[i] in sizes)}
-            src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs)
-            built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
-            assert built.asm["cubin"] and "xorsign" not in built.asm["ptx"] and "min.f32" in built.asm["ptx"]
+    for src in ("*bf16", "*fp32"):
+        cases = [(kernels._cast_transpose_kernel, [src, "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "i32", "i32"],
+                  dict(FMT_MAX=448.0, AMAX=False, BM=128, BN=128), ("M", "N")),
+                 (kernels._cast_kernel, [src, "*fp8e5", "*fp32", "*fp32", "*fp32", "i32"],
+                  dict(FMT_MAX=57344.0, FROM_STATS=False, BLOCK=4096, REVERSE=True), ("n",))]
+        for fn, types, constants, sizes in cases:
+            for aligned in (True, False):
+                built = build_for_hopper(fn, types, constants, divisible=sizes if aligned else ())
+                assert built.asm["cubin"] and "xorsign" not in built.asm["ptx"] and "min.f32" in built.asm["ptx"]

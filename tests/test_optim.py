@@ -1141,10 +1141,7 @@ def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages, gro
     and three blocks in flight, one tensor per launch or a chunk's (GROUPED: addresses from a table), the weight
     step's math is the one-instruction PTX, and unpipelined, the write pass loads and stores 128-bit vectors. No
     GPU needed."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler.compiler import ASTSource
-
+    from conftest import build_for_hopper
     from lowbit.optim import update_kernel as uk
 
     flags = dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_SCALED=True, FAST=True, BLOCK=2048, ITERS=8,
@@ -1163,11 +1160,7 @@ def test_update_kernels_build_for_hopper_with_their_ptx_math(scales, stages, gro
                          dict(G_SCALED=True, M_SCALED=True, V_SCALED=True, W_MAX=65504.0, GROUPED=grouped,
                               BLOCK=2048, ITERS=8, FAST=True)))
     for fn, types, constants in kernels_:
-        signature = {**dict(zip(fn.arg_names, types)), **{k: "constexpr" for k in constants}}
-        attrs = {(i,): [["tt.divisibility", 16]] for i, t in enumerate(types) if t.startswith("*") or
-                 fn.arg_names[i] == "n"}
-        src = ASTSource(fn, signature, {(fn.arg_names.index(k),): v for k, v in constants.items()}, attrs)
-        built = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        built = build_for_hopper(fn, types, constants, divisible=("n",))
         ptx = built.asm["ptx"]
         if fn is not uk._amax_kernel or constants["AMAX_W"] or constants["STEP_W"]:
             assert "sqrt.approx.ftz.f32" in ptx and "rcp.approx.ftz.f32" in ptx
